@@ -1,0 +1,1 @@
+"""Training data: conversations, chat templates and loss masks, the feature store."""
