@@ -6,6 +6,7 @@ is converted once to a safetensors cache so later loads take seconds instead of 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -52,8 +53,16 @@ def ensure_smollm2() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF-loaded model refuses save_pretrained (it still carries its quantization config), but its
+        # weights are already de-quantised: move them into a plain model of the same config and save that.
+        config = copy.deepcopy(quantized.config)
+        for attr in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(config, attr):
+                delattr(config, attr)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if out.exists():
