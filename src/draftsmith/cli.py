@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
+    _add_generate_parser(sub)
+    _add_capture_parser(sub)
+    _add_vocab_parser(sub)
+
     p = sub.add_parser("demo", help="the main job on the embedded default (grows into the whole pipeline)")
     p.add_argument("--target", default="smollm2", help=argparse.SUPPRESS)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "decode":
             return _decode(args)
+        if args.command in ("generate", "capture", "vocab"):
+            return {"generate": _generate, "capture": _capture, "vocab": _vocab}[args.command](args)
         if args.command == "demo":
             from draftsmith.demo import run_demo
 
@@ -129,6 +135,37 @@ def _decode(args) -> int:
     return 0
 
 
+# --- generate ------------------------------------------------------------------------------------------
+def _add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="regenerate conversations with the target (or self-prompt them)")
+    p.set_defaults(_unimplemented=True)
+
+
+def _generate(args) -> int:
+    raise UsageError("generate is not implemented yet")
+
+
+# --- capture ---------------------------------------------------------------------------------------------
+def _add_capture_parser(sub) -> None:
+    p = sub.add_parser("capture", help="capture the target's aux hidden states into a feature store")
+    p.set_defaults(_unimplemented=True)
+
+
+def _capture(args) -> int:
+    raise UsageError("capture is not implemented yet")
+
+
+# --- vocab -----------------------------------------------------------------------------------------------
+def _add_vocab_parser(sub) -> None:
+    p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from a feature store")
+    p.set_defaults(_unimplemented=True)
+
+
+def _vocab(args) -> int:
+    raise UsageError("vocab is not implemented yet")
+
+
+# --- shared helpers ---------------------------------------------------------------------------------------
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
