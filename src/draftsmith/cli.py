@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(sub)
     _add_capture_parser(sub)
     _add_vocab_parser(sub)
+    _add_train_parser(sub)
 
     p = sub.add_parser("demo", help="the main job on the embedded default (grows into the whole pipeline)")
     p.add_argument("--target", default="smollm2", help=argparse.SUPPRESS)
@@ -72,26 +73,41 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _quiet_libraries()
+    from draftsmith.data.store import StoreError
+
     try:
         if args.command == "decode":
             return _decode(args)
         if args.command in ("generate", "capture", "vocab"):
             return {"generate": _generate, "capture": _capture, "vocab": _vocab}[args.command](args)
+        if args.command == "train":
+            return _train(args)
         if args.command == "demo":
             from draftsmith.demo import run_demo
 
             return run_demo(target=args.target, max_new_tokens=args.max_new_tokens)
-    except UsageError as e:
-        print(f"draftsmith: error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, NotADirectoryError) as e:
-        print(f"draftsmith: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # TargetError, DrafterError, VocabError and bad option values
-        print(f"draftsmith: error: {e}", file=sys.stderr)
+    except (UsageError, FileNotFoundError, NotADirectoryError, StoreError, ValueError) as e:
+        # ValueError covers TargetError, DrafterError, VocabError, TrainError and bad option values.
+        print(f"draftsmith: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
+              file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _quiet_libraries() -> None:
+    """transformers' own progress bars and notices would break one-line errors and clean JSON output."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
 
 
 def _decode(args) -> int:
@@ -137,32 +153,189 @@ def _decode(args) -> int:
 
 # --- generate ------------------------------------------------------------------------------------------
 def _add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="regenerate conversations with the target (or self-prompt them)")
-    p.set_defaults(_unimplemented=True)
+    p = sub.add_parser(
+        "generate", help="regenerate conversations with the target (or self-prompt them)",
+        description="Answer prompts (JSONL: ShareGPT, OpenAI messages or {'prompt': ...}) with the target, "
+                    "or let it write its own questions (--self-prompt N). Resumable: rerun the same command.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", default=None, metavar="JSONL", help="prompts/conversations (.jsonl or .jsonl.gz)")
+    src.add_argument("--self-prompt", type=int, default=None, metavar="N",
+                     help="the target writes N user questions itself from its chat template's user header")
+    p.add_argument("--out", required=True, metavar="JSONL", help="conversations out (appended; resumed)")
+    p.add_argument("--backend", choices=["local", "openai"], default="local",
+                   help="local: the target in-process (default); openai: an OpenAI-compatible server")
+    g = p.add_argument_group("local backend")
+    g.add_argument("--target", default="smollm2",
+                   help="model directory, .gguf file, or 'smollm2' (the embedded default; default)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--batch-size", type=int, default=8, help="conversations generated together (default 8)")
+    g = p.add_argument_group("openai backend (vLLM, SGLang, ...)")
+    g.add_argument("--server-url", action="append", default=[], metavar="URL",
+                   help="e.g. http://localhost:8000 (repeat for several servers: requests go round-robin)")
+    g.add_argument("--served-model-name", default=None, help="model name to request (default: first of /v1/models)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the served model's tokenizer; needed for --self-prompt and --max-input-length")
+    g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY if set)")
+    g.add_argument("--concurrency", type=int, default=16, help="conversations in flight (default 16)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    g.add_argument("--retries", type=int, default=5,
+                   help="retries on connection errors, 429 and 5xx, with exponential backoff (default 5)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn (default 512)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="sampling and self-prompting seed (default 0)")
+    g.add_argument("--system", default=None, help="system prompt for conversations that have none")
+    g.add_argument("--max-input-length", type=int, default=None, metavar="TOKENS",
+                   help="prompts longer than this are errors (later turns: the conversation ends there)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _generate(args) -> int:
-    raise UsageError("generate is not implemented yet")
+    from draftsmith.data.generate import GenerateConfig, generate
+
+    config = GenerateConfig(
+        out=args.out, input=args.input, self_prompt=args.self_prompt, backend=args.backend,
+        target=args.target, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+        server_urls=args.server_url, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+        api_key=args.api_key, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        system=args.system, max_input_length=args.max_input_length, progress=not args.no_progress,
+    )
+    summary = generate(config)
+    print(summary)
+    if summary.errors_file is not None:
+        print(f"draftsmith: {summary.error} error(s) listed in {summary.errors_file}; rerun the same command "
+              "to retry them", file=sys.stderr)
+    return 1 if summary.error and not summary.done else 0
 
 
 # --- capture ---------------------------------------------------------------------------------------------
 def _add_capture_parser(sub) -> None:
-    p = sub.add_parser("capture", help="capture the target's aux hidden states into a feature store")
-    p.set_defaults(_unimplemented=True)
+    p = sub.add_parser("capture", help="capture the target's aux hidden states into a feature store",
+                       description="Conversations (JSONL) in, EAGLE-3 training features out: aux hidden states, "
+                                   "the final post-norm hidden state, input ids and the assistant loss mask. "
+                                   "Resumable: rerun the same command after a crash. Builds the draft "
+                                   "vocabulary into the store afterwards.")
+    p.add_argument("--target", default="smollm2",
+                   help="model directory, .gguf file, or 'smollm2' (the embedded default; default)")
+    p.add_argument("--conversations", required=True, metavar="FILE.jsonl",
+                   help="one conversation per line: 'messages' (OpenAI) or 'conversations' (ShareGPT), with 'id'")
+    p.add_argument("--out", required=True, metavar="STORE_DIR", help="feature store directory (created or resumed)")
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                   help="storage dtype of the features (fp8: per-row scaled e4m3, half the bytes; default bf16)")
+    p.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (default 2048)")
+    p.add_argument("--long", choices=["truncate", "skip"], default="truncate",
+                   help="conversations over --max-length: cut them or skip them (counted; default truncate)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations per forward pass (default 8)")
+    p.add_argument("--max-tokens-per-batch", type=int, default=16384,
+                   help="padded tokens per forward pass (default 16384)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype of the target (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--aux-layers", default=None,
+                   help="comma-separated aux layer ids (input of layer L); default (2, N//2, N-3)")
+    p.add_argument("--draft-vocab-size", type=int, default=32000,
+                   help="draft vocabulary built after capture (default 32000; 0 skips the step)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="read only the first N records")
+    p.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB (default 256)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def _capture(args) -> int:
-    raise UsageError("capture is not implemented yet")
+    from draftsmith.data.capture import CaptureConfig, run_capture
+    from draftsmith.data.store import StoreError, StoreMismatch
+
+    aux = _parse_ints(args.aux_layers)
+    if args.shard_mb <= 0:
+        raise UsageError("--shard-mb must be positive")
+    config = CaptureConfig(
+        conversations=args.conversations, out=args.out, target=args.target, device=args.device,
+        target_dtype=args.target_dtype, aux_layers=tuple(aux) if aux is not None else None, dtype=args.dtype,
+        max_length=args.max_length, long=args.long, batch_size=args.batch_size,
+        max_tokens_per_batch=args.max_tokens_per_batch, draft_vocab_size=args.draft_vocab_size or None,
+        limit=args.limit, shard_max_bytes=max(1, int(args.shard_mb * 2**20)),
+        progress=False if args.no_progress else None,
+    )
+    try:
+        report = run_capture(config)
+    except StoreMismatch as e:
+        raise UsageError(str(e)) from e
+    except (StoreError, OSError) as e:  # disk full, unwritable: the store keeps its last committed shard
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            raise
+        print(f"draftsmith: error: {_one_line(e)}; committed samples are kept, rerun to resume", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted; committed samples are kept, rerun to resume", file=sys.stderr)
+        return 130
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 # --- vocab -----------------------------------------------------------------------------------------------
 def _add_vocab_parser(sub) -> None:
-    p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from a feature store")
-    p.set_defaults(_unimplemented=True)
+    p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from a feature store",
+                       description="Count the target tokens at loss positions of a feature store, keep the most "
+                                   "frequent ones and write d2t/t2d/counts (safetensors) with their coverage.")
+    p.add_argument("--store", required=True, metavar="STORE_DIR", help="feature store written by capture")
+    p.add_argument("--draft-vocab-size", type=int, default=32000, help="tokens to keep (default 32000)")
+    p.add_argument("--out", default=None, metavar="FILE", help="default STORE_DIR/vocab.safetensors")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def _vocab(args) -> int:
-    raise UsageError("vocab is not implemented yet")
+    from dataclasses import asdict
+
+    from draftsmith.data.capture import build_vocab
+    from draftsmith.data.store import StoreError
+
+    try:
+        report = build_vocab(args.store, args.draft_vocab_size, out=args.out)
+    except StoreError as e:
+        raise UsageError(_one_line(e)) from e
+    except OSError as e:
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            raise
+        print(f"draftsmith: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    print(json.dumps({**asdict(report), "path": str(report.path)}) if args.json else report.summary())
+    return 0
+
+
+# --- train -----------------------------------------------------------------------------------------------
+def _add_train_parser(sub) -> None:
+    from draftsmith.train import TrainConfig
+
+    p = sub.add_parser("train", help="train an EAGLE-3 drafter with training-time test (offline or online)",
+                       description="Every field of the config file can be overridden here (--ttt-steps 3 ...).")
+    p.add_argument("--config", default=None, help="TOML or YAML file with the fields below")
+    for name, f in TrainConfig.fields().items():
+        flag = "--" + name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            p.add_argument(flag, dest=name, type=kind, default=None, help=f"(default {f.default!r})")
+
+
+def _train(args) -> int:
+    from draftsmith.train import TrainConfig, load_config, train
+
+    overrides = {k: getattr(args, k) for k in TrainConfig.fields() if getattr(args, k, None) is not None}
+    cfg = load_config(args.config, overrides)
+    result = train(cfg)
+    print(json.dumps({"out": str(result.out), "steps": result.steps,
+                      "best_simulated_acceptance_length": result.best_simulated_acceptance_length,
+                      "last_eval": result.last_eval}))
+    return 0
 
 
 # --- shared helpers ---------------------------------------------------------------------------------------

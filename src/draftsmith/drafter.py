@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -258,9 +258,12 @@ class DecoderLayer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Module | None = None,
-                 draft_vocab: vocab_mod.DraftVocab | None = None):
+                 draft_vocab: vocab_mod.DraftVocab | None = None, own_embedding: bool = False):
         super().__init__()
         self.config = cfg
+        # A drafter narrower/wider than its target cannot share the target's table: it carries its own
+        # (saved as embed_tokens.weight, which engines then load instead of sharing).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -280,9 +283,14 @@ class Eagle3Drafter(nn.Module):
     # --- wiring --------------------------------------------------------------------------------------
     def bind_embeddings(self, embed_tokens: nn.Module) -> None:
         """Use the target's (frozen) input embedding; it is never saved with the drafter."""
-        n = embed_tokens.weight.shape[0]
+        if self.embed_tokens is not None:
+            return
+        n, width = embed_tokens.weight.shape
         if n < self.config.vocab_size:
             raise DrafterError(f"embedding has {n} rows, drafter vocab_size is {self.config.vocab_size}")
+        if width != self.config.hidden_size:
+            raise DrafterError(f"target embedding width {width} != drafter hidden_size {self.config.hidden_size}; "
+                               "a drafter of another width needs its own embed_tokens")
         self._embed = [embed_tokens]
 
     @property
@@ -290,10 +298,14 @@ class Eagle3Drafter(nn.Module):
         return self.layers[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids)
         if not self._embed:
             raise DrafterError("drafter has no embedding: call bind_embeddings(target.embed_tokens)")
+        # A raw table lookup, as vLLM's and SGLang's drafters do with the shared table (no Gemma-style
+        # scaling that some HF embedding modules apply in forward).
         with torch.no_grad():
-            return self._embed[0](input_ids).to(self.fc.weight.dtype)
+            return F.embedding(input_ids, self._embed[0].weight).to(self.fc.weight.dtype)
 
     def fuse(self, aux_hidden_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """g = fc(cat(low, mid, high))."""
@@ -350,7 +362,8 @@ def new_drafter(target, draft_vocab: vocab_mod.DraftVocab | None = None, seed: i
     cfg = DrafterConfig.from_target(target, draft_vocab_size=n, **overrides)
     if seed is not None:
         torch.manual_seed(seed)
-    drafter = Eagle3Drafter(cfg, draft_vocab=draft_vocab)
+    own = cfg.hidden_size != target.embed_tokens.weight.shape[1]
+    drafter = Eagle3Drafter(cfg, draft_vocab=draft_vocab, own_embedding=own)
     _init_weights(drafter)
     drafter.bind_embeddings(target.embed_tokens)
     return drafter.to(device=target.device, dtype=target.dtype).eval()
@@ -378,7 +391,11 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
         raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE}")
     state = load_file(str(weights))
     state = {k.replace("midlayer.", "layers.0.").removeprefix("model."): v for k, v in state.items()}
-    state.pop("embed_tokens.weight", None)
+    # Keep a saved embedding only when the drafter cannot share the target's (different width).
+    own = "embed_tokens.weight" in state and (
+        cfg.hidden_size != (target.embed_tokens.weight.shape[1] if target is not None else cfg.target_hidden_size))
+    if not own:
+        state.pop("embed_tokens.weight", None)
     if target is not None:
         if not cfg.aux_layer_ids:
             cfg.aux_layer_ids = tuple(target.aux_layers)
@@ -394,7 +411,7 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
     else:
         dv = vocab_mod.identity(cfg.vocab_size, cfg.draft_vocab_size)
     state["d2t"], state["t2d"] = dv.d2t, dv.t2d
-    drafter = Eagle3Drafter(cfg, draft_vocab=dv)
+    drafter = Eagle3Drafter(cfg, draft_vocab=dv, own_embedding=own)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DrafterError(f"{weights}: missing weights {sorted(missing)}, unexpected {sorted(unexpected)}")
@@ -405,4 +422,3 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
     return drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
 
 
-__all__ = ["DrafterConfig", "Eagle3Drafter", "KVCache", "check_fits", "load_drafter", "new_drafter", "asdict"]

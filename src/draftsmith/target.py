@@ -354,3 +354,70 @@ def _auto_classes():
 
     names = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
     return [getattr(transformers, n) for n in names if hasattr(transformers, n)]
+
+
+# --- the two target tensors offline training needs ------------------------------------------------------
+@dataclass
+class TargetHeads:
+    """The target's input embedding and output head: all offline training needs from a (possibly 1T) target."""
+
+    embed_tokens: nn.Module
+    lm_head_weight: torch.Tensor  # [V, H]
+    final_logit_softcapping: float | None
+    config: object  # the text config (for fingerprints and drafter sizes)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.lm_head_weight.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+
+def heads_of(target: Target) -> TargetHeads:
+    return TargetHeads(target.embed_tokens, target.lm_head.weight,
+                       getattr(target.config, "final_logit_softcapping", None), target.config)
+
+
+def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> TargetHeads:
+    """Read only ``embed_tokens`` and ``lm_head`` from the target's safetensors (seconds, even for 1T models)."""
+    import json as _json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from draftsmith.models import resolve_model_path
+
+    dtype = dtype or default_dtype(device)
+    model_dir, gguf = resolve_model_path(path)
+    if gguf:  # no tensor index in a GGUF: load it whole (small models only)
+        return heads_of(load_target(path, device=device, dtype=dtype))
+    config = text_config_of(AutoConfig.from_pretrained(model_dir))
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _json.loads(index.read_text())["weight_map"]
+    elif (model_dir / "model.safetensors").is_file():
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+    def find(suffix: str) -> str | None:
+        names = sorted((k for k in weight_map if k.endswith(suffix) and "vision" not in k and "mtp" not in k),
+                       key=len)
+        return names[0] if names else None
+
+    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    if embed_key is None:
+        raise TargetError(f"{path}: no embed_tokens.weight among the checkpoint's tensors")
+    head_key = head_key or embed_key  # tied embeddings
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(model_dir / weight_map[key]), framework="pt", device="cpu") as f:
+            return f.get_tensor(key).to(device=device, dtype=dtype)
+
+    embed_w = read(embed_key)
+    head_w = embed_w if head_key == embed_key else read(head_key)
+    embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
+    return TargetHeads(embed, head_w, getattr(config, "final_logit_softcapping", None), config)

@@ -83,3 +83,106 @@ def validate(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int | None
         kept = torch.nonzero(t2d.cpu().bool()).flatten()
         if kept.numel() != target.numel() or not torch.equal(kept, target):
             raise VocabError("d2t and t2d disagree on which target tokens are in the draft vocabulary")
+
+
+# --- counting and the vocab file -----------------------------------------------------------------------
+VOCAB_FILE = "vocab.safetensors"
+VOCAB_FORMAT = "draftsmith-draft-vocab"
+
+
+def count_tokens(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Occurrences of each target id at loss positions: the tokens the drafter will have to predict.
+
+    Prompt and role-header tokens are never drafted, so counting them would spend draft-vocabulary slots
+    on tokens that cost acceptance nothing.
+    """
+    ids = input_ids.reshape(-1).to(torch.long)
+    keep = ids[loss_mask.reshape(-1).to(torch.bool)]
+    if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= vocab_size):
+        raise VocabError(
+            f"token ids [{int(keep.min())}, {int(keep.max())}] fall outside the target vocabulary of {vocab_size}"
+        )
+    return torch.bincount(keep, minlength=vocab_size)
+
+
+def save_vocab(path, vocab: DraftVocab, counts: torch.Tensor, metadata: dict[str, str] | None = None) -> None:
+    """Write ``d2t`` (int64), ``t2d`` (bool), ``counts`` (int64) and metadata atomically to a safetensors file.
+
+    The coverage recorded is the share of counted tokens the draft vocabulary keeps; a reader sees the
+    old file or the new one, never half of one (temp file, fsync, rename).
+    """
+    import os
+    from pathlib import Path
+
+    from safetensors.torch import save as st_save
+
+    validate(vocab.d2t, vocab.t2d, vocab.vocab_size)
+    counts = counts.to(torch.int64).reshape(-1)
+    if counts.numel() != vocab.vocab_size:
+        raise VocabError(f"counts cover {counts.numel()} tokens but the vocabulary has {vocab.vocab_size}")
+    total = int(counts.sum())
+    covered = int(counts[vocab.t2d.cpu()].sum())
+    meta = {
+        "format": VOCAB_FORMAT,
+        "draft_vocab_size": str(vocab.draft_vocab_size),
+        "vocab_size": str(vocab.vocab_size),
+        "coverage": repr(covered / total if total else 0.0),
+        "counted_tokens": str(total),
+        **{k: str(v) for k, v in (metadata or {}).items()},
+    }
+    data = st_save(
+        {"d2t": vocab.d2t.to(torch.int64).cpu().contiguous(), "t2d": vocab.t2d.to(torch.bool).cpu().contiguous(),
+         "counts": counts.cpu().contiguous()},
+        metadata=meta,
+    )
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_vocab_file(path, vocab_size: int | None = None) -> tuple[DraftVocab, torch.Tensor | None, dict[str, str]]:
+    """(vocab, counts or None, metadata) from a vocab file, validated before anything uses it.
+
+    ``vocab_size`` is the target's (lm_head) vocabulary size; a file made for another target is refused
+    here rather than silently drafting the wrong tokens.
+    """
+    from pathlib import Path
+
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such vocab file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            keys = set(f.keys())
+            missing = {"d2t", "t2d"} - keys
+            if missing:
+                raise VocabError(f"{path}: missing tensors {sorted(missing)}")
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+            counts = f.get_tensor("counts") if "counts" in keys else None
+    except SafetensorError as e:
+        raise VocabError(f"{path}: not a safetensors file ({e})") from e
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+        raise VocabError(f"{path}: d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
+    for key, have in (("draft_vocab_size", d2t.numel()), ("vocab_size", t2d.numel())):
+        if key in meta and meta[key] != str(have):
+            raise VocabError(f"{path}: metadata {key}={meta[key]} but the tensor holds {have}")
+    if counts is not None and counts.numel() != t2d.numel():
+        raise VocabError(f"{path}: counts cover {counts.numel()} tokens, t2d {t2d.numel()}")
+    validate(d2t, t2d, vocab_size)
+    return DraftVocab(d2t=d2t, t2d=t2d), counts, meta
+
+
+def load_vocab(path, vocab_size: int | None = None) -> DraftVocab:
+    """The validated ``d2t``/``t2d`` pair of a vocab file (see ``load_vocab_file``)."""
+    return load_vocab_file(path, vocab_size)[0]

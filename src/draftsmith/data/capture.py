@@ -1,0 +1,599 @@
+"""Capture: conversations in, EAGLE-3 training features out.
+
+Offline training needs, per token of every conversation, the target's aux hidden states (the residual
+stream entering each aux layer) and its final post-norm hidden state (the teacher, from which the
+trainer recomputes the target's logits with the frozen lm_head). This module runs the target's
+prefill over a conversations JSONL and writes those features into a ``FeatureStore``.
+
+Why it looks the way it does:
+
+* **Batched prefill, right padding.** Conversations are tokenized in windows of ``sort_window``,
+  sorted by length (longest first, so an out-of-memory batch shows up at once) and packed into batches
+  bounded by ``batch_size`` and ``max_tokens_per_batch`` *padded* tokens. Padding goes on the right
+  with a 2D attention mask: with causal attention a real position never attends to a later pad, so
+  positions and features of real tokens equal an unbatched pass; the padded rows are sliced off.
+  Logits are not needed (the teacher is the stored final hidden state), so only one position's logits
+  are computed.
+* **Resume and exactly-once.** The store commits whole shards atomically; a rerun skips ids that are
+  committed before tokenizing them. ``kill -9`` at any point then a rerun yields every sample once.
+  Shards are also flushed every ``flush_interval_s`` so a slow capture never holds much uncommitted work.
+* **Nothing silently dropped.** Every input record ends in exactly one bucket of ``CaptureCounts``
+  (captured, already stored, duplicate id, invalid, template error, no loss tokens, too long, NaN/Inf);
+  the buckets add up to the records read, and truncations are counted too.
+* **Provenance.** The store's meta records aux layer ids (input of layer L; SGLang's ids are one lower),
+  hidden size, the target and tokenizer fingerprints, the draftsmith version and the length policy, so
+  ``check_store_matches_target`` can refuse to train on features from another target.
+
+The draft vocabulary (``d2t``/``t2d``) is built right after capture from the tokens at loss positions
+(``build_vocab``), and written into the store directory as ``vocab.safetensors``.
+
+Capture at scale with a serving engine (vLLM's ``extract_hidden_states``) is sketched, not implemented,
+in ``docs/capture-at-scale.md``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from draftsmith import __version__
+from draftsmith.data.chat import (
+    ChatTemplateError,
+    EmptyConversation,
+    SequenceTooLong,
+    chat_format,
+    read_jsonl,
+    tokenize_conversation,
+)
+from draftsmith.data.store import LOCK_NAME, MANIFEST_NAME, FeatureStore, FeatureStoreWriter
+from draftsmith.fingerprint import tokenizer_fingerprint
+from draftsmith.vocab import VOCAB_FILE, VocabError, count_tokens, from_counts, save_vocab
+
+__all__ = [
+    "MATCH_KEYS",
+    "CaptureConfig",
+    "CaptureCounts",
+    "CaptureReport",
+    "SampleFeatures",
+    "VocabReport",
+    "batched_features",
+    "build_vocab",
+    "capture",
+    "check_store_matches_target",
+    "count_store_tokens",
+    "run_capture",
+    "store_meta",
+]
+
+LongPolicy = Literal["truncate", "skip"]
+AUX_CONVENTION = "input of decoder layer L = HF output_hidden_states[L] (vLLM ids; SGLang/SpecForge ids are L-1)"
+# What a trainer must agree on with the store; version and length policy may differ harmlessly.
+MATCH_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "aux_layer_ids", "hidden_size")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Configuration and results
+
+
+@dataclass
+class CaptureConfig:
+    """Everything one capture run needs; ``target``/``device``/``target_dtype``/``aux_layers`` are only
+    read by ``run_capture`` (``capture`` takes an already loaded target)."""
+
+    conversations: Path
+    out: Path
+    target: str = "smollm2"
+    device: str = "cpu"
+    target_dtype: str | None = None  # float32 | bfloat16 | float16; default float32 on CPU, bf16 on CUDA
+    aux_layers: tuple[int, ...] | None = None
+    dtype: Literal["bf16", "fp8"] = "bf16"  # store dtype
+    max_length: int = 2048
+    long: LongPolicy = "truncate"
+    batch_size: int = 8
+    max_tokens_per_batch: int | None = 16384  # padded tokens per forward pass
+    draft_vocab_size: int | None = 32000  # None: skip the vocab step
+    limit: int | None = None  # read at most this many records
+    shard_max_bytes: int = 256 * 1024 * 1024
+    flush_interval_s: float = 60.0
+    sort_window: int = 1024
+    progress: bool | None = None  # None: a bar only when stderr is a terminal
+
+    def validate(self) -> None:
+        """Reject bad values before a multi-minute target load, with the flag's name in the message."""
+        self.conversations, self.out = Path(self.conversations), Path(self.out)
+        if self.dtype not in ("bf16", "fp8"):
+            raise ValueError(f"--dtype must be bf16 or fp8, got {self.dtype!r}")
+        if self.long not in ("truncate", "skip"):
+            raise ValueError(f"--long must be truncate or skip, got {self.long!r}")
+        for name in ("max_length", "batch_size", "sort_window", "shard_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
+            raise ValueError(f"--max-tokens-per-batch must be >= 1, got {self.max_tokens_per_batch}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"--limit must be >= 0, got {self.limit}")
+        if self.target_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"--target-dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
+        if not self.conversations.exists():
+            raise FileNotFoundError(f"{self.conversations}: no such conversations file")
+        if not self.conversations.is_file():
+            raise ValueError(f"{self.conversations}: not a file")
+        if self.out.exists():
+            if not self.out.is_dir():
+                raise ValueError(f"--out {self.out}: exists and is not a directory")
+            # A writer killed before its first manifest leaves only its lock or temp files behind.
+            foreign = [p for p in self.out.iterdir()
+                       if p.name != LOCK_NAME and not (p.name.startswith(".") and p.name.endswith(".tmp"))]
+            if not (self.out / MANIFEST_NAME).is_file() and foreign:
+                raise ValueError(f"--out {self.out}: directory is not empty and is not a feature store")
+        else:
+            parent = next((p for p in self.out.parents if p.exists()), None)
+            if parent is not None and not parent.is_dir():
+                raise ValueError(f"--out {self.out}: {parent} is not a directory")
+
+
+@dataclass
+class CaptureCounts:
+    """Where each input record went. Every record lands in exactly one bucket except ``truncated``,
+    which counts captured samples cut to ``max_length`` (a subset of ``captured``)."""
+
+    records: int = 0  # non-blank input lines read (the total the buckets add up to)
+    captured: int = 0
+    already_stored: int = 0  # committed by an earlier run: resume
+    duplicate_id: int = 0  # id seen earlier in this input
+    invalid: int = 0  # bad JSON, unknown record shape, bad message, ids outside the target vocab
+    template_error: int = 0  # the chat template hides or rewrites assistant content
+    no_loss_tokens: int = 0  # no assistant token to learn from (also after truncation)
+    too_long: int = 0  # longer than max_length under the "skip" policy
+    nonfinite: int = 0  # NaN/Inf in the features: never stored
+    truncated: int = 0  # captured, but cut to max_length
+
+    BUCKETS = ("captured", "already_stored", "duplicate_id", "invalid", "template_error", "no_loss_tokens",
+               "too_long", "nonfinite")
+
+    def accounted(self) -> int:
+        return sum(getattr(self, b) for b in self.BUCKETS)
+
+    def check(self) -> None:
+        """Raise if a record fell through the cracks (a bug, not a data problem)."""
+        if self.accounted() != self.records:
+            raise AssertionError(f"capture counts do not add up: {self.accounted()} accounted of {self.records}")
+
+
+@dataclass
+class VocabReport:
+    """The draft vocabulary built from a store."""
+
+    path: Path
+    draft_vocab_size: int
+    vocab_size: int
+    coverage: float  # share of loss-position tokens inside the draft vocabulary
+    counted_tokens: int
+    distinct_tokens: int
+
+    def summary(self) -> str:
+        return (f"draft vocab: {self.draft_vocab_size} of {self.vocab_size} tokens cover {self.coverage:.2%} of "
+                f"{self.counted_tokens} loss tokens ({self.distinct_tokens} distinct) -> {self.path}")
+
+
+@dataclass
+class CaptureReport:
+    """Counts, throughput and the resulting store of one capture run."""
+
+    store: Path
+    counts: CaptureCounts
+    tokens: int = 0  # real (unpadded) tokens captured this run
+    loss_tokens: int = 0
+    padded_tokens: int = 0  # tokens actually run through the target, padding included
+    forward_s: float = 0.0
+    elapsed_s: float = 0.0
+    store_samples: int = 0
+    store_tokens: int = 0
+    store_bytes: int = 0
+    vocab: VocabReport | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.counts.captured / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.store_bytes / self.store_tokens if self.store_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        c = asdict(self.counts)
+        return {
+            "store": str(self.store), "counts": c, "tokens": self.tokens, "loss_tokens": self.loss_tokens,
+            "padded_tokens": self.padded_tokens, "forward_s": round(self.forward_s, 4),
+            "elapsed_s": round(self.elapsed_s, 4), "tokens_per_s": round(self.tokens_per_s, 2),
+            "samples_per_s": round(self.samples_per_s, 3), "store_samples": self.store_samples,
+            "store_tokens": self.store_tokens, "store_bytes": self.store_bytes,
+            "bytes_per_token": round(self.bytes_per_token, 1),
+            "vocab": None if self.vocab is None else {**asdict(self.vocab), "path": str(self.vocab.path)},
+            "notes": list(self.notes),
+        }
+
+    def summary(self) -> str:
+        c = self.counts
+        parts = [f"{b.replace('_', ' ')} {getattr(c, b)}" for b in c.BUCKETS if getattr(c, b) or b == "captured"]
+        lines = [
+            f"records {c.records} = " + " + ".join(parts) + (f" (truncated {c.truncated})" if c.truncated else ""),
+            f"captured {self.tokens} tokens ({self.loss_tokens} loss tokens) in {self.elapsed_s:.1f} s: "
+            f"{self.tokens_per_s:.0f} tok/s, {self.samples_per_s:.1f} samples/s; padding overhead "
+            f"{(self.padded_tokens / self.tokens - 1) if self.tokens else 0.0:.1%}",
+            f"store {self.store}: {self.store_samples} samples, {self.store_tokens} tokens, "
+            f"{self.store_bytes / 2**20:.1f} MiB ({self.bytes_per_token:.0f} B/token)",
+        ]
+        if self.vocab is not None:
+            lines.append(self.vocab.summary())
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Batched prefill
+
+
+@dataclass
+class SampleFeatures:
+    """One sample's features, sliced out of a batch: ``aux`` is ``[T, n, H]``, ``hidden`` ``[T, H]``."""
+
+    aux: torch.Tensor
+    hidden: torch.Tensor
+
+
+def batched_features(target, sequences: Sequence[Sequence[int]], pad_id: int = 0) -> list[SampleFeatures]:
+    """Run one right-padded prefill over ``sequences`` and return each one's unpadded features.
+
+    Right padding keeps position ids and causal attention of real tokens identical to an unbatched pass,
+    so padding cannot leak into them; the 2D mask keeps pads out of attention (and is omitted when no
+    row is padded, letting the backend take its causal fast path). Also used for online training.
+    """
+    if not sequences:
+        return []
+    lengths = [len(s) for s in sequences]
+    if min(lengths) < 1:
+        raise ValueError("cannot prefill an empty sequence")
+    t = max(lengths)
+    ids = torch.full((len(sequences), t), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(sequences), t), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[i, : len(s)] = 1
+    device = target.device
+    padded = min(lengths) < t
+    out = target.forward(ids.to(device), attention_mask=mask.to(device) if padded else None, logits_to_keep=1)
+    aux = torch.stack(out.aux_hidden_states, dim=2)  # [B, T, n, H]
+    return [SampleFeatures(aux=aux[i, :n], hidden=out.hidden_state[i, :n]) for i, n in enumerate(lengths)]
+
+
+def _plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None) -> list[list[int]]:
+    """Indices grouped longest first; a batch's padded size (rows x longest) stays within max_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            cur = batches[-1]
+            longest = lengths[cur[0]]
+            if len(cur) < batch_size and (max_tokens is None or (len(cur) + 1) * longest <= max_tokens):
+                cur.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+# --------------------------------------------------------------------------------------------------------
+# Capture
+
+
+def store_meta(target, tokenizer, *, max_length: int, long: LongPolicy) -> dict[str, Any]:
+    """The provenance a store carries; identical meta is what lets a rerun resume into the same store."""
+    return {
+        "kind": "eagle3-features",
+        "aux_layer_ids": [int(x) for x in target.aux_layers],
+        "aux_layer_convention": AUX_CONVENTION,
+        "hidden_size": int(target.hidden_size),
+        "hidden_state": "final decoder output after the final norm (teacher)",
+        "target_fingerprint": target.fingerprint(),
+        "target_dtype": str(target.dtype).removeprefix("torch."),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "draftsmith_version": __version__,
+        "max_length": int(max_length),
+        "long_policy": long,
+    }
+
+
+def _count_records(path: Path, limit: int | None) -> int:
+    opener = gzip.open if path.suffix == ".gz" else open
+    n = 0
+    with opener(path, "rb") as fh:
+        for raw in fh:
+            if raw.strip():
+                n += 1
+                if limit is not None and n >= limit:
+                    break
+    return n
+
+
+class _Progress:
+    """tqdm bar over records with samples/s and tokens/s of captured data (stderr, so stdout stays clean)."""
+
+    def __init__(self, total: int | None, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, unit="rec", desc="capture", disable=not enabled, file=sys.stderr,
+                        dynamic_ncols=True)
+        self.start = time.perf_counter()
+
+    def update(self, records: int, captured: int, tokens: int) -> None:
+        if self.bar.disable:
+            return
+        dt = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{captured / dt:.1f} samples/s, {tokens / dt:.0f} tok/s", refresh=False)
+        self.bar.update(records)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@dataclass
+class _Pending:
+    sample_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool
+
+
+class _Capture:
+    """One run's state: the writer, the window being tokenized, counters and the progress bar."""
+
+    def __init__(self, target, tokenizer, config: CaptureConfig, writer: FeatureStoreWriter,
+                 report: CaptureReport, progress: _Progress) -> None:
+        self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.writer, self.report, self.counts, self.progress = writer, report, report.counts, progress
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None and 0 <= pad < target.vocab_size else 0
+        self.seen: set[str] = set()
+        self.window: list[_Pending] = []
+        self.last_flush = time.perf_counter()
+
+    def _bump(self, bucket: str) -> None:
+        setattr(self.counts, bucket, getattr(self.counts, bucket) + 1)
+        self.progress.update(1, self.counts.captured, self.report.tokens)
+
+    def add_record(self, item: Any) -> None:
+        """Tokenize one record into the window, or count why it is not captured."""
+        self.counts.records += 1
+        if isinstance(item, EmptyConversation):
+            return self._bump("no_loss_tokens")
+        if isinstance(item, Exception):
+            return self._bump("invalid")
+        sid = item.id
+        if sid in self.seen:
+            return self._bump("duplicate_id")
+        self.seen.add(sid)
+        if self.writer.has(sid):  # committed by an earlier run: skip before paying for tokenization
+            return self._bump("already_stored")
+        cfg = self.config
+        try:
+            tok = tokenize_conversation(self.tokenizer, item.messages, cfg.max_length, truncate=cfg.long == "truncate")
+        except SequenceTooLong:
+            return self._bump("too_long")
+        except EmptyConversation:
+            return self._bump("no_loss_tokens")
+        except ChatTemplateError:
+            return self._bump("template_error")
+        except ValueError:
+            return self._bump("invalid")
+        if max(tok.input_ids) >= self.target.vocab_size:
+            return self._bump("invalid")
+        self.window.append(_Pending(sid, tok.input_ids, tok.loss_mask, tok.truncated))
+        if len(self.window) >= cfg.sort_window:
+            self.run_window()
+
+    def run_window(self) -> None:
+        """Prefill the window in length-sorted batches and hand each sample to the store."""
+        cfg, counts, report, writer = self.config, self.counts, self.report, self.writer
+        for batch in _plan_batches([len(p.input_ids) for p in self.window], cfg.batch_size, cfg.max_tokens_per_batch):
+            items = [self.window[i] for i in batch]
+            t0 = time.perf_counter()
+            feats = batched_features(self.target, [p.input_ids for p in items], self.pad_id)
+            report.forward_s += time.perf_counter() - t0
+            report.padded_tokens += len(items) * max(len(p.input_ids) for p in items)
+            for p, f in zip(items, feats, strict=True):
+                rejected = writer.rejected_nonfinite
+                ids = torch.tensor(p.input_ids, dtype=torch.long)
+                mask = torch.tensor(p.loss_mask, dtype=torch.bool)
+                if writer.add(p.sample_id, ids, mask, f.aux, f.hidden):
+                    counts.captured += 1
+                    counts.truncated += int(p.truncated)
+                    report.tokens += len(p.input_ids)
+                    report.loss_tokens += int(mask.sum())
+                elif writer.rejected_nonfinite > rejected:
+                    counts.nonfinite += 1
+                else:  # cannot happen: ids are de-duplicated before tokenizing
+                    counts.duplicate_id += 1
+            del feats
+            self.progress.update(len(items), counts.captured, report.tokens)
+            if writer.num_pending and time.perf_counter() - self.last_flush >= cfg.flush_interval_s:
+                writer.flush()  # bound the work a crash can lose on a slow capture
+                self.last_flush = time.perf_counter()
+        self.window.clear()
+
+
+def capture(target, tokenizer, config: CaptureConfig) -> CaptureReport:
+    """Capture features for every conversation in ``config.conversations`` into the store ``config.out``.
+
+    Returns the report (its counts add up to the records read), after building the draft vocabulary
+    unless ``config.draft_vocab_size`` is None. Raises ``ValueError`` for unusable inputs (no chat
+    template, a tokenizer larger than the target's vocabulary), ``StoreMismatch`` when resuming into a
+    store captured under other meta, ``StoreWriteError``/``OSError`` when the disk fails; the store on
+    disk stays valid in every case and a rerun resumes where the last committed shard ended.
+    """
+    config.validate()
+    if tokenizer is None:
+        raise ValueError("capture needs the target's tokenizer (none was found next to the model)")
+    if len(tokenizer) > target.vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the target's vocabulary has {target.vocab_size}: "
+            "is this the target's own tokenizer?"
+        )
+    chat_format(tokenizer)  # fail fast on a tokenizer without a usable chat template
+    meta = store_meta(target, tokenizer, max_length=config.max_length, long=config.long)
+    report = CaptureReport(store=config.out, counts=CaptureCounts())
+    show = sys.stderr.isatty() if config.progress is None else config.progress
+    total = _count_records(config.conversations, config.limit) if show else None
+    start = time.perf_counter()
+    progress = _Progress(total, show)
+    try:
+        with FeatureStoreWriter(config.out, meta=meta, dtype=config.dtype,
+                                shard_max_bytes=config.shard_max_bytes) as writer:
+            run = _Capture(target, tokenizer, config, writer, report, progress)
+            for _line_no, item in read_jsonl(config.conversations):
+                if config.limit is not None and report.counts.records >= config.limit:
+                    break
+                run.add_record(item)
+            run.run_window()
+    finally:
+        progress.close()
+    report.elapsed_s = time.perf_counter() - start
+    report.counts.check()
+
+    store = FeatureStore(config.out, verify_on_open=False)
+    report.store_samples, report.store_tokens, report.store_bytes = len(store), store.total_tokens, store.bytes_on_disk
+    if config.draft_vocab_size is not None:
+        if store.total_loss_tokens > 0:
+            report.vocab = build_vocab(store, config.draft_vocab_size, vocab_size=target.vocab_size)
+        else:
+            report.notes.append("draft vocab: skipped (the store holds no loss tokens)")
+    return report
+
+
+def run_capture(config: CaptureConfig) -> CaptureReport:
+    """``draftsmith capture``: validate the config, load the target, capture, build the draft vocab."""
+    from draftsmith.target import load_target
+
+    config.validate()  # before the (possibly long) target load
+    dtype = getattr(torch, config.target_dtype) if config.target_dtype else None
+    target = load_target(config.target, device=config.device, dtype=dtype, aux_layers=config.aux_layers)
+    return capture(target, target.tokenizer, config)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Draft vocabulary
+
+
+def _as_store(store: FeatureStore | str | Path) -> FeatureStore:
+    return store if isinstance(store, FeatureStore) else FeatureStore(store, verify_on_open=False)
+
+
+def count_store_tokens(store: FeatureStore | str | Path, vocab_size: int) -> torch.Tensor:
+    """Counts of each target id at loss positions over the whole store, reading only ids and masks.
+
+    Going through ``FeatureStore.get`` would read (and for fp8 dequantise) every hidden state, which is
+    >99% of the bytes; the shards are safetensors, so only the two small tensors per sample are read.
+    """
+    from safetensors import safe_open
+
+    fs = _as_store(store)
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for shard in fs.shards:
+        with safe_open(str(fs.root / shard["file"]), framework="pt") as handle:
+            for j in range(len(shard["samples"])):
+                counts += count_tokens(handle.get_tensor(f"{j}.input_ids"), handle.get_tensor(f"{j}.loss_mask"),
+                                       vocab_size)
+    return counts
+
+
+def build_vocab(store: FeatureStore | str | Path, draft_vocab_size: int = 32000, *, out: str | Path | None = None,
+                vocab_size: int | None = None) -> VocabReport:
+    """Keep the ``draft_vocab_size`` most frequent loss-position tokens; write ``d2t``/``t2d``/``counts``.
+
+    ``vocab_size`` (the target's lm_head size, which may exceed the tokenizer's length) defaults to the
+    one in the store's target fingerprint. The file goes to ``<store>/vocab.safetensors`` by default and
+    is re-read and validated before returning.
+    """
+    from draftsmith.vocab import load_vocab_file
+
+    if draft_vocab_size < 1:
+        raise ValueError(f"--draft-vocab-size must be >= 1, got {draft_vocab_size}")
+    fs = _as_store(store)
+    if vocab_size is None:
+        vocab_size = (fs.meta.get("target_fingerprint") or {}).get("vocab_size")
+        if not vocab_size:
+            raise ValueError(f"{fs.root}: the store meta has no target vocab size; pass vocab_size")
+    vocab_size = int(vocab_size)
+    if fs.total_loss_tokens == 0:
+        raise ValueError(f"{fs.root}: the store holds no loss tokens to count")
+    counts = count_store_tokens(fs, vocab_size)
+    vocab, coverage = from_counts(counts, draft_vocab_size)
+    path = Path(out) if out is not None else fs.root / VOCAB_FILE
+    extra = {"counted": "input_ids at loss_mask == 1"}
+    for key in ("tokenizer_fingerprint", "target_fingerprint"):
+        if key in fs.meta:
+            extra[key] = json.dumps(fs.meta[key], sort_keys=True)
+    save_vocab(path, vocab, counts, extra)
+    loaded, _, meta = load_vocab_file(path, vocab_size)
+    if not torch.equal(loaded.d2t, vocab.d2t):
+        raise VocabError(f"{path}: read back a different d2t than was written")
+    if not math.isclose(float(meta["coverage"]), coverage, rel_tol=1e-9, abs_tol=1e-12):
+        raise VocabError(f"{path}: coverage {meta['coverage']} differs from the computed {coverage}")
+    return VocabReport(path=path, draft_vocab_size=vocab.draft_vocab_size, vocab_size=vocab_size, coverage=coverage,
+                       counted_tokens=int(counts.sum()), distinct_tokens=int((counts > 0).sum()))
+
+
+# --------------------------------------------------------------------------------------------------------
+# For the trainer
+
+
+def _target_identity(target, stored: Any) -> dict[str, Any]:
+    """``target.fingerprint()``, or for a heads-only view (embedding + lm_head + config, as the offline
+    trainer loads it) the fields its config determines; fields it cannot know are taken as stored."""
+    if callable(getattr(target, "fingerprint", None)):
+        return target.fingerprint()
+    from draftsmith.fingerprint import config_fingerprint
+    from draftsmith.target import text_config_of
+
+    config = text_config_of(target.config)
+    ours = {"config_sha256": config_fingerprint(config), "num_layers": int(config.num_hidden_layers),
+            "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size)}
+    return {**(stored if isinstance(stored, dict) else {}), **ours}
+
+
+def check_store_matches_target(store: FeatureStore | str | Path, target, tokenizer=None, force: bool = False
+                               ) -> list[str]:
+    """Refuse features captured from another target, tokenizer or aux layer choice.
+
+    ``target`` is a ``Target``, or any object with a ``config`` and ``hidden_size`` (the trainer's
+    heads-only view, which then cannot check the architecture name or aux layer ids). Raises
+    ``StoreMismatch`` naming the first differing key of ``MATCH_KEYS`` with both values; with ``force``
+    it warns instead. ``tokenizer`` defaults to the target's; with neither it is not checked. Returns the
+    differing keys.
+    """
+    fs = _as_store(store)
+    expected: dict[str, Any] = {
+        "target_fingerprint": _target_identity(target, fs.meta.get("target_fingerprint")),
+        "hidden_size": int(target.hidden_size),
+    }
+    if getattr(target, "aux_layers", None) is not None:
+        expected["aux_layer_ids"] = [int(x) for x in target.aux_layers]
+    tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
+    if tokenizer is not None:
+        expected["tokenizer_fingerprint"] = tokenizer_fingerprint(tokenizer)
+    return fs.check_meta(expected, [k for k in MATCH_KEYS if k in expected], force=force)

@@ -1,0 +1,113 @@
+"""Shared fixtures: tiny random targets built in-process, and drafters fitted to them."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# Tiny models: one thread is ~10x faster than two fighting over a busy 2-core machine (and steadier).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+
+from draftsmith.decode import SpeculativeDecoder
+from draftsmith.drafter import Eagle3Drafter, new_drafter
+from draftsmith.models import build_tiny_model
+from draftsmith.target import Target
+
+torch.set_num_threads(1)
+
+
+@functools.cache
+def tiny_target(arch: str, dtype: torch.dtype = torch.float64, num_hidden_layers: int = 8, seed: int = 0) -> Target:
+    """Cached per (arch, dtype): building one takes a fraction of a second, tests use many."""
+    return Target(build_tiny_model(arch, seed=seed, dtype=dtype, num_hidden_layers=num_hidden_layers))
+
+
+def random_prompts(n: int, seed: int, vocab: int = 256, max_len: int = 24) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (n,), generator=g)
+    return [torch.randint(3, vocab, (int(n_),), generator=g).tolist() for n_ in lengths]
+
+
+def fit_drafter(target: Target, sequences: list[list[int]], steps: int = 200, seed: int = 0,
+                ttt_steps: int = 3) -> Eagle3Drafter:
+    """Fit a drafter to the target's own greedy continuations so that it accepts often.
+
+    A deliberately small stand-in for the trainer, used to exercise the accept paths of the decoder:
+    step 0 on target features, then ``ttt_steps - 1`` steps fed with the drafter's own outputs.
+    Sequences are right-padded into one batch (causal attention keeps padding out of real positions).
+    """
+    torch.manual_seed(seed)
+    t = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), t, dtype=torch.long)
+    valid = torch.zeros(len(sequences), t, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+        valid[i, : len(s)] = True
+    with torch.no_grad():
+        out = target(ids)
+    labels = out.logits.argmax(-1)  # labels[:, t] = the target's choice after token t
+    aux = tuple(a[:, :-1] for a in out.aux_hidden_states)
+    drafter = new_drafter(target, seed=seed)
+    drafter.train()
+    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        g, inp, loss = drafter.fuse(aux), ids[:, 1:], 0.0
+        for step in range(ttt_steps):
+            n = inp.shape[1]
+            pos = torch.arange(step, step + n)[None]
+            h = drafter(g, inp, pos)
+            # column c predicts what the target chooses after token c+1+step
+            want = labels[:, 1 + step: 1 + step + n]
+            ok = valid[:, 2 + step: 2 + step + n]
+            want, ok, h = want[:, : ok.shape[1]], ok, h[:, : ok.shape[1]]
+            ce = torch.nn.functional.cross_entropy(drafter.logits(h).transpose(1, 2), want, reduction="none")
+            loss = loss + 0.8**step * (ce * ok).sum() / ok.sum().clamp_min(1)
+            g, inp = h[:, :-1], want[:, :-1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+
+
+_TEXT = ("the cat sat on a mat and then it ran over to see the dog who was very happy about "
+         "rain sun tree water light house green blue small fast slow")
+WORDS = _TEXT.split()
+
+
+def save_tiny_chat_model(path, arch: str = "llama", style: str = "chatml", seed: int = 0, **overrides):
+    """A tiny random model of ``arch`` with a real-template tokenizer, saved as a local model directory."""
+    from tokenizers_fixtures import make_tokenizer
+
+    tok = make_tokenizer(style)
+    kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id or 0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id or 0)
+    kw.update(overrides)
+    model = build_tiny_model(arch, seed=seed, **kw)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def self_generated_conversations(target: Target, path, n: int = 24, seed: int = 0, new_tokens: int = 40):
+    """Conversations whose assistant turns are the target's own greedy continuations (what EAGLE trains on)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    tok = target.tokenizer
+    decoder = SpeculativeDecoder(target)
+    with open(path, "w") as f:
+        for i in range(n):
+            question = " ".join(rng.choices(WORDS, k=rng.randint(3, 8)))
+            ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                          tokenize=False)
+            prompt = tok(ids, add_special_tokens=False)["input_ids"]
+            out = decoder.generate(prompt, new_tokens, eos_token_ids=[tok.eos_token_id])
+            answer = tok.decode([t for t in out.token_ids if t != tok.eos_token_id], skip_special_tokens=True)
+            f.write(json.dumps({"id": f"conv-{i}", "messages": [{"role": "user", "content": question},
+                                                                 {"role": "assistant", "content": answer}]}) + "\n")
+    return path

@@ -1,0 +1,177 @@
+"""Target adapter: aux capture for every supported architecture, layer discovery, KV cache rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_target
+from torch import nn
+
+from draftsmith.models import TINY_ARCHITECTURES, build_tiny_model
+from draftsmith.target import (
+    SupportsEagle3,
+    Target,
+    TargetError,
+    cache_keep,
+    default_aux_layers,
+    find_decoder_layers,
+    validate_aux_layers,
+)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_aux_hidden_states_equal_output_hidden_states(arch):
+    """Aux state L is output_hidden_states[L]: the residual stream entering layer L (fp32, 1e-5)."""
+    target = tiny_target(arch, torch.float32)
+    ids = torch.randint(3, 250, (2, 11), generator=torch.Generator().manual_seed(0))
+    out = target(ids)
+    ref = target.model(input_ids=ids, output_hidden_states=True)
+    assert len(ref.hidden_states) == target.num_layers + 1
+    assert target.aux_layers == (2, 4, 5)
+    for layer, aux in zip(target.aux_layers, out.aux_hidden_states, strict=True):
+        torch.testing.assert_close(aux, ref.hidden_states[layer], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
+    # The final state is post-norm (the teacher), and recomputing logits from it matches the model's.
+    torch.testing.assert_close(out.hidden_state, ref.hidden_states[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(target.compute_logits(out.hidden_state), ref.logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_wrapper", "kimi_k25_wrapper"])
+def test_custom_aux_layers_and_incremental_decode(arch):
+    target = Target(build_tiny_model(arch, dtype=torch.float64), aux_layers=(0, 1, 7))
+    ids = torch.randint(3, 250, (1, 9), generator=torch.Generator().manual_seed(1))
+    full = target(ids)
+    cache = target.new_cache()
+    first = target(ids[:, :6], cache=cache)
+    rest = target(ids[:, 6:], cache=cache)
+    for a_full, a0, a1 in zip(full.aux_hidden_states, first.aux_hidden_states, rest.aux_hidden_states, strict=True):
+        torch.testing.assert_close(torch.cat([a0, a1], 1), a_full, atol=1e-10, rtol=0)
+    torch.testing.assert_close(rest.logits, full.logits[:, 6:], atol=1e-10, rtol=0)
+
+
+def test_wrapper_layers_found_under_language_model():
+    target = tiny_target("kimi_k25_wrapper")
+    assert "language_model" in target.layers_path
+    assert type(target.layers[0]).__name__.startswith("DeepseekV3")
+    assert target.config.model_type == "deepseek_v3"
+
+
+def test_protocol_mirrors_vllm():
+    target = tiny_target("llama")
+    assert isinstance(target, SupportsEagle3)
+    assert target.supports_eagle3 is True
+    assert target.get_eagle3_default_aux_hidden_state_layers() == (2, 4, 5)
+    assert default_aux_layers(61) == (2, 30, 58)  # DeepSeek-V3 / Kimi-K2
+    assert default_aux_layers(30) == (2, 15, 27)  # SmolLM2-135M
+
+
+def test_set_aux_layers_replaces_hooks():
+    target = Target(build_tiny_model("qwen2", dtype=torch.float64))
+    target.set_aux_hidden_state_layers([1, 3, 6])
+    ids = torch.randint(3, 250, (1, 5))
+    out = target(ids)
+    ref = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(out.aux_hidden_states) == 3
+    for layer, aux in zip((1, 3, 6), out.aux_hidden_states, strict=True):
+        torch.testing.assert_close(aux, ref[layer])
+
+
+@pytest.mark.parametrize("layers, message", [
+    ((2, 4, 8), "out of range"),
+    ((-1, 2, 3), "out of range"),
+    ((2, 2, 5), "duplicates"),
+    ((), "empty"),
+])
+def test_bad_aux_layers_rejected(layers, message):
+    with pytest.raises(TargetError, match=message):
+        validate_aux_layers(layers, 8)
+
+
+def test_bad_aux_layers_rejected_before_loading_weights(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.target import load_target
+
+    build_tiny_model("llama").save_pretrained(tmp_path)
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", boom)
+    with pytest.raises(TargetError, match="out of range"):
+        load_target(tmp_path, aux_layers=(2, 4, 99))
+
+
+def test_unfindable_layers_error_names_class_and_search():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
+
+    with pytest.raises(TargetError, match=r"Odd.*ModuleList of 4 layers.*model\.layers"):
+        find_decoder_layers(Odd(), 4)
+
+
+def test_missing_and_non_model_paths(tmp_path):
+    from draftsmith.target import load_target
+
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_target(tmp_path / "nope")
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(FileNotFoundError, match="not a model directory"):
+        load_target(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "gemma2"])
+def test_cache_rollback_equals_cache_of_accepted_tokens(arch):
+    """After a tree verify pass with rejections, the compacted cache equals one built from accepted tokens."""
+    target = tiny_target(arch)
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 250, (1, 7), generator=g)
+    # A tree: root(0) -> 1 -> 3 -> 5, root -> 2 -> 4; accept the path 0, 1, 3.
+    parents = [0, 0, 1, 2, 3]
+    tokens = torch.randint(3, 250, (1, 6), generator=g)
+    n, length = 6, prefix.shape[1]
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while True:
+            allowed[i, j] = True
+            if j == 0:
+                break
+            j = parents[j - 1]
+    depth = allowed.sum(1) - 1
+    mask = torch.cat([torch.ones(n, length, dtype=torch.bool), allowed], 1)
+    additive = torch.zeros(mask.shape, dtype=target.dtype).masked_fill(~mask, torch.finfo(target.dtype).min)
+    cache = target.new_cache()
+    target(prefix, cache=cache)
+    tree_out = target(tokens, cache=cache, attention_mask=additive[None, None], position_ids=length + depth[None])
+    path = torch.tensor([0, 1, 3])
+    cache_keep(cache, length, extra=length + path)
+
+    ref_cache = target.new_cache()
+    ref = target(torch.cat([prefix, tokens[:, path]], 1), cache=ref_cache)
+    assert cache.get_seq_length() == ref_cache.get_seq_length() == length + 3
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
+        # HF computes RoPE tables in float32 even for fp64 models, hence 1e-6 rather than 1e-10.
+        torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-6, rtol=0)
+    # Tree logits on the accepted path equal sequential logits.
+    torch.testing.assert_close(tree_out.logits[:, path], ref.logits[:, length:], atol=1e-6, rtol=0)
+    # And decoding continues identically from the compacted cache.
+    nxt = torch.tensor([[5]])
+    a = target(nxt, cache=cache)
+    b = target(nxt, cache=ref_cache)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-6, rtol=0)
+
+
+def test_chain_crop_rollback():
+    target = tiny_target("qwen2")
+    ids = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(5))
+    cache = target.new_cache()
+    target(ids, cache=cache)
+    cache_keep(cache, 8)
+    ref_cache = target.new_cache()
+    target(ids[:, :8], cache=ref_cache)
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
+        torch.testing.assert_close(layer.keys, ref_layer.keys)

@@ -1,0 +1,173 @@
+"""Training-time test and the training loop: exactness of the unrolled attention, learning, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_chat_model, self_generated_conversations, tiny_target
+from safetensors.torch import load_file
+
+from draftsmith.decode import ChainSpec, SpeculativeDecoder
+from draftsmith.drafter import KVCache, load_drafter, new_drafter
+from draftsmith.target import load_target
+from draftsmith.train import TrainConfig, TrainError, load_config, train
+from draftsmith.ttt import TTTBatch, simulated_acceptance_length, teacher_targets, ttt_forward
+
+
+def test_ttt_unroll_equals_inference_drafting():
+    """Step i at column t of TTT computes what drafting token i+1 after position t computes at inference."""
+    target = tiny_target("llama")
+    drafter = new_drafter(target, draft_vocab_size=200, seed=3)
+    ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = target(ids)
+    batch = TTTBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
+                     out.hidden_state, torch.tensor([12, 9]))
+    teacher = teacher_targets(batch, target.lm_head.weight, drafter.to_target_ids(torch.arange(200)), drafter.t2d)
+    hidden: list[torch.Tensor] = []
+    ttt_forward(drafter, batch, teacher, 4, unroll_hidden=hidden)
+    for col in (0, 5, 7):
+        cache = KVCache()
+        g = drafter.fuse(out.aux_hidden_states)[:1, : col + 1]
+        h = drafter(g, ids[:1, 1: col + 2], torch.arange(col + 1)[None], cache)[:, -1:]
+        torch.testing.assert_close(h[0, 0], hidden[0][0, col], atol=1e-7, rtol=0)
+        for i in range(1, 4):
+            h = drafter(h, ids[:1, col + 1 + i: col + 2 + i], torch.tensor([[col + i]]), cache)
+            torch.testing.assert_close(h[0, 0], hidden[i][0, col], atol=1e-7, rtol=0)
+
+
+def test_simulated_acceptance_length():
+    assert simulated_acceptance_length([]) == 1.0
+    assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    model = save_tiny_chat_model(root / "model")
+    target = load_target(model, dtype=torch.float32)
+    convs = self_generated_conversations(target, root / "conversations.jsonl", n=32)
+    return root, model, convs
+
+
+def _cfg(workspace, out, **kw) -> TrainConfig:
+    root, model, convs = workspace
+    base = dict(target=str(model), conversations=str(convs), out=str(out), max_steps=12, batch_tokens=512,
+                ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=6, save_every=3, draft_vocab_size=300,
+                eval_fraction=0.15, progress=False, plot=False)
+    base.update(kw)
+    return load_config(None, base)
+
+
+def test_online_training_learns_and_decoder_agrees(workspace, tmp_path):
+    root, model, convs = workspace
+    result = train(_cfg(workspace, tmp_path / "run", max_steps=60, eval_every=20, plot=True))
+    assert result.steps == 60
+    assert (tmp_path / "run" / "best" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "training.png").is_file() and (tmp_path / "run" / "metrics.csv").is_file()
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in evals if e.get("eval")]
+    assert evals[-1]["simulated_tau"] > evals[0]["simulated_tau"]
+    assert result.best_simulated_acceptance_length > 1.3
+    # The trained drafter accepts tokens in the real decoder, losslessly.
+    target = load_target(model, dtype=torch.float32)
+    drafter = load_drafter(tmp_path / "run" / "best", target)
+    tok = target.tokenizer
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "the cat sat"}], add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False)["input_ids"]
+    plain = SpeculativeDecoder(target).generate(prompt, 30)
+    spec = SpeculativeDecoder(target, drafter, ChainSpec(3)).generate(prompt, 30)
+    assert spec.token_ids == plain.token_ids
+    assert spec.acceptance_length > 1.2
+
+
+def test_resume_is_exact(workspace, tmp_path):
+    straight = train(_cfg(workspace, tmp_path / "a"))
+    train(_cfg(workspace, tmp_path / "b", stop_at_step=5))
+    resumed = train(_cfg(workspace, tmp_path / "b", resume=True))
+    assert straight.steps == resumed.steps == 12
+    a = load_file(tmp_path / "a" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_from_another_config_refused(workspace, tmp_path):
+    train(_cfg(workspace, tmp_path / "r", stop_at_step=3))
+    with pytest.raises(TrainError, match="another config.*lr"):
+        train(_cfg(workspace, tmp_path / "r", resume=True, lr=1e-2))
+    with pytest.raises(TrainError, match="already holds a run"):
+        train(_cfg(workspace, tmp_path / "r"))
+
+
+def test_unknown_config_key_names_closest(tmp_path):
+    cfg = tmp_path / "train.toml"
+    cfg.write_text('store = "s"\nttt_step = 3\n')
+    with pytest.raises(TrainError, match="unknown config key 'ttt_step'; did you mean 'ttt_steps'"):
+        load_config(cfg)
+    cfg.write_text('[train]\nstore = "s"\nttt_steps = 3\n')  # a [train] table is read as the config
+    assert load_config(cfg).ttt_steps == 3
+    (tmp_path / "t.yaml").write_text("store: s\nlr: 0.001\nttt_steps: 5\n")
+    assert load_config(tmp_path / "t.yaml", {"lr": 0.01}).lr == 0.01
+    with pytest.raises(TrainError, match="exactly one data source"):
+        load_config(None, {"lr": 1.0})
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(workspace, tmp_path, monkeypatch):
+    import draftsmith.train as train_mod
+
+    real = train_mod.ttt_forward
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] > 4 else loss), stats
+
+    monkeypatch.setattr(train_mod, "ttt_forward", poisoned)
+    with pytest.raises(TrainError, match="loss is nan at step 5.*last good checkpoint"):
+        train(_cfg(workspace, tmp_path / "n", eval_every=100))
+    ckpts = sorted(p.name for p in (tmp_path / "n" / "checkpoints").glob("step-*"))
+    assert ckpts[-1] == "step-0000003"
+    weights = load_file(tmp_path / "n" / "checkpoints" / "step-0000003" / "drafter" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+
+
+def test_cli_train_overrides(workspace, tmp_path):
+    root, model, convs = workspace
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(f'target = "{model}"\nconversations = "{convs}"\nmax_steps = 100\nttt_steps = 2\n'
+                   f'batch_tokens = 512\nprogress = false\nplot = false\n')
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", "--config", str(cfg), "--max-steps", "2",
+                           "--out", str(tmp_path / "cli")], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 2
+    saved = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert saved["ttt_steps"] == 2 and saved["max_steps"] == 2
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", "--config", str(cfg), "--ttt-stepz", "2"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+
+
+def test_distributed_two_processes_gloo(workspace, tmp_path):
+    """torchrun with 2 CPU processes: both ranks train, rank 0 checkpoints, the result loads."""
+    root, model, convs = workspace
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(f'target = "{model}"\nconversations = "{convs}"\nmax_steps = 4\nttt_steps = 2\n'
+                   f'batch_tokens = 256\nprogress = false\nplot = false\nout = "{tmp_path / "ddp"}"\n'
+                   f'eval_every = 4\nsave_every = 2\n')
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29533", "-m", "draftsmith.cli", "train", "--config", str(cfg)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ddp" / "final" / "model.safetensors").is_file()
+    assert Path(tmp_path / "ddp" / "checkpoints" / "latest").read_text().strip() == "step-0000004"
