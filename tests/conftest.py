@@ -79,17 +79,9 @@ WORDS = _TEXT.split()
 
 
 def save_tiny_chat_model(path, arch: str = "llama", style: str = "chatml", seed: int = 0, **overrides):
-    """A tiny random model of ``arch`` with a real-template tokenizer, saved as a local model directory."""
-    from tokenizers_fixtures import make_tokenizer
+    from draftsmith.models import save_tiny_target
 
-    tok = make_tokenizer(style)
-    kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id or 0, eos_token_id=tok.eos_token_id,
-              pad_token_id=tok.pad_token_id or 0)
-    kw.update(overrides)
-    model = build_tiny_model(arch, seed=seed, **kw)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_target(path, arch, style, seed=seed, **overrides)
 
 
 def self_generated_conversations(target: Target, path, n: int = 24, seed: int = 0, new_tokens: int = 40):

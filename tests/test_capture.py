@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from tokenizers_fixtures import make_tokenizer
 
 from draftsmith.cli import main
 from draftsmith.data import store as store_mod
@@ -35,6 +34,7 @@ from draftsmith.data.store import MANIFEST_NAME, FeatureStore, StoreMismatch
 from draftsmith.fingerprint import tokenizer_fingerprint
 from draftsmith.models import build_tiny_model
 from draftsmith.target import Target, load_target
+from draftsmith.tiny_tokenizer import make_tokenizer
 from draftsmith.vocab import VOCAB_FILE, VocabError, load_vocab, load_vocab_file, save_vocab, validate
 
 MAX_LEN = 200

@@ -6,7 +6,6 @@ import gzip
 import json
 
 import pytest
-from tokenizers_fixtures import SMOLLM2_SYSTEM, STYLES, make_tokenizer
 from transformers import AutoTokenizer
 
 from draftsmith.data import chat
@@ -24,6 +23,7 @@ from draftsmith.data.chat import (
     tokenize_conversation,
     user_turn_prefix,
 )
+from draftsmith.tiny_tokenizer import SMOLLM2_SYSTEM, STYLES, make_tokenizer
 
 EOT = {
     "llama3": "<|eot_id|>",

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 import torch
-from tokenizers_fixtures import make_tokenizer
 
 from draftsmith.cli import main
 from draftsmith.drafter import new_drafter
 from draftsmith.models import build_tiny_model
 from draftsmith.target import Target
+from draftsmith.tiny_tokenizer import make_tokenizer
 
 
 @pytest.fixture(scope="module")

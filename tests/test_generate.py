@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers_fixtures import make_tokenizer
 
 from draftsmith.cli import main
 from draftsmith.data.chat import read_jsonl
@@ -30,6 +29,7 @@ from draftsmith.data.generate import (
 )
 from draftsmith.models import build_tiny_model
 from draftsmith.target import Target, load_target
+from draftsmith.tiny_tokenizer import make_tokenizer
 
 MAX_NEW = 6
 

@@ -56,17 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chain", type=int, default=None, metavar="K", help="draft a chain of K tokens (default 3)")
     s.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
                    help="EAGLE-2 dynamic tree, e.g. 5,8,48")
+    s.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
+                   help="n-gram prompt-lookup drafting of K tokens (no drafter; the free baseline)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     _add_generate_parser(sub)
     _add_capture_parser(sub)
     _add_vocab_parser(sub)
+    _add_export_parsers(sub)
     _add_train_parser(sub)
 
-    p = sub.add_parser("demo", help="the main job on the embedded default (grows into the whole pipeline)")
-    p.add_argument("--target", default="smollm2", help=argparse.SUPPRESS)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p = sub.add_parser("demo", help="the main job: forge and measure a drafter for the embedded default",
+                       description="Generate, capture, train, export and bench in one go; rerunning resumes.")
+    p.add_argument("--preset", default="default", choices=["tiny", "default", "full"],
+                   help="default: ~20 min on 2 CPU cores; full: longer, best numbers; tiny: seconds (tests)")
+    p.add_argument("--workdir", default="runs/demo", help="where every artefact goes (default runs/demo)")
+    p.add_argument("--target", default=None, help="override the preset's target (a model dir or 'smollm2')")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
     return parser
 
 
@@ -81,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
             return _decode(args)
         if args.command in ("generate", "capture", "vocab"):
             return {"generate": _generate, "capture": _capture, "vocab": _vocab}[args.command](args)
+        if args.command in ("export", "import"):
+            return {"export": _export, "import": _import}[args.command](args)
         if args.command == "train":
             return _train(args)
         if args.command == "demo":
             from draftsmith.demo import run_demo
 
-            return run_demo(target=args.target, max_new_tokens=args.max_new_tokens)
+            run_demo(args.preset, args.workdir, target=args.target, progress=args.progress)
+            return 0
     except (UsageError, FileNotFoundError, NotADirectoryError, StoreError, ValueError) as e:
         # ValueError covers TargetError, DrafterError, VocabError, TrainError and bad option values.
         print(f"draftsmith: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
@@ -113,7 +123,7 @@ def _quiet_libraries() -> None:
 def _decode(args) -> int:
     import torch
 
-    from draftsmith.decode import ChainSpec, SamplingParams, SpeculativeDecoder, TreeSpec
+    from draftsmith.decode import ChainSpec, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
     from draftsmith.drafter import load_drafter, new_drafter
     from draftsmith.target import load_target
 
@@ -123,6 +133,10 @@ def _decode(args) -> int:
     spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain or 3)
     if (args.chain or args.tree) and not (args.drafter or args.random_drafter):
         raise UsageError("--chain/--tree need --drafter PATH or --random-drafter")
+    if args.prompt_lookup is not None:
+        if args.drafter or args.random_drafter:
+            raise UsageError("--prompt-lookup drafts without a drafter; drop --drafter/--random-drafter")
+        spec = NgramSpec(args.prompt_lookup)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     target = load_target(args.target, device=args.device, dtype=dtype, aux_layers=_parse_ints(args.aux_layers))
     drafter = None
@@ -135,13 +149,14 @@ def _decode(args) -> int:
         raise UsageError(f"{args.target}: no tokenizer next to the model")
     prompt_ids = encode_prompt(tok, args.prompt, chat=args.chat)
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
-    decoder = SpeculativeDecoder(target, drafter, spec if drafter is not None else None)
+    use_spec = drafter is not None or args.prompt_lookup is not None
+    decoder = SpeculativeDecoder(target, drafter, spec if use_spec else None)
     result = decoder.generate(prompt_ids, args.max_new_tokens, sampling, eos_token_ids=stop_token_ids(tok),
                               generator=generator)
     text = tok.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         report = {"text": text, **result.to_dict(),
-                  "mode": "plain" if drafter is None else ("tree" if isinstance(spec, TreeSpec) else "chain")}
+                  "mode": "plain" if not use_spec else type(spec).__name__.removesuffix("Spec").lower()}
         print(json.dumps(report))
     else:
         print(text)
@@ -335,6 +350,78 @@ def _train(args) -> int:
     print(json.dumps({"out": str(result.out), "steps": result.steps,
                       "best_simulated_acceptance_length": result.best_simulated_acceptance_length,
                       "last_eval": result.last_eval}))
+    return 0
+
+
+# --- export / import -------------------------------------------------------------------------------------
+def _add_export_parsers(sub) -> None:
+    p = sub.add_parser("export", help="write a drafter in an engine's layout (SGLang, vLLM, speculators)",
+                       description="Write a drafter (draftsmith's own layout, or any layout import reads) as the "
+                                   "engine's loader expects it: weight names, aux layer id convention, config "
+                                   "fields. Writes config.json, model.safetensors and draftsmith-export.json.")
+    p.add_argument("--drafter", required=True, metavar="DIR", help="drafter directory")
+    p.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"],
+                   help="sglang: EAGLE-3 HF layout (midlayer.*, eagle_config ids one lower; vLLM reads it too); "
+                        "vllm: --speculative-config model dir; speculators: `vllm serve DIR` works")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weight dtype (default bf16)")
+    p.add_argument("--include-embeddings", action="store_true",
+                   help="also write embed_tokens.weight (engines share the target's otherwise); needs --target "
+                        "unless the drafter has its own")
+    p.add_argument("--target", default=None, metavar="DIR",
+                   help="the target model: source of --include-embeddings, default of --verifier")
+    p.add_argument("--verifier", default=None, metavar="NAME_OR_PATH",
+                   help="speculators: the target vLLM serves (Hugging Face id or directory); default --target")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                   help="speculators: draft tokens per step written into the config (default 3)")
+    p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+    p = sub.add_parser("import", help="read a drafter from EAGLE, SpecForge, SGLang, vLLM or speculators",
+                       description="Convert an EAGLE-3 checkpoint into draftsmith's layout, translating weight "
+                                   "names and aux layer ids (to input-of-layer ids). Missing d2t/t2d: identity.")
+    p.add_argument("--from", dest="source", required=True, metavar="DIR", help="checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    p.add_argument("--format", default="auto", choices=["auto", "eagle", "sglang", "vllm", "speculators", "draftsmith"],
+                   help="source layout (default auto: detected from config and weight names)")
+    p.add_argument("--aux-layers", default=None,
+                   help="comma-separated aux layer ids (input of layer L) when the checkpoint has none or is wrong")
+    p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def _export(args) -> int:
+    import warnings
+
+    from draftsmith.export import export_drafter, target_embeddings
+
+    if args.num_speculative_tokens < 1:
+        raise UsageError("--num-speculative-tokens must be >= 1")
+    embeddings = target_embeddings(args.target) if args.include_embeddings and args.target else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = export_drafter(
+            args.drafter, args.out, args.format, dtype=args.dtype, include_embeddings=args.include_embeddings,
+            embeddings=embeddings, verifier=args.verifier or args.target,
+            num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
+    for w in caught:
+        print(f"draftsmith: warning: {w.message}", file=sys.stderr)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
+
+
+def _import(args) -> int:
+    import warnings
+
+    from draftsmith.export import import_drafter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = import_drafter(args.source, args.out, args.format, aux_layers=_parse_ints(args.aux_layers),
+                                overwrite=args.force)
+    for w in caught:
+        print(f"draftsmith: warning: {w.message}", file=sys.stderr)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0
 
 

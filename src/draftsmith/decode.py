@@ -75,6 +75,31 @@ class TreeSpec:
         return cls(depth, top_k, total)
 
 
+@dataclass(frozen=True)
+class NgramSpec:
+    """Prompt lookup (n-gram) drafting: the free baseline EAGLE-3 has to beat. No drafter model at all."""
+
+    k: int = 3
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.k
+
+
+def ngram_propose(context: list[int], spec: NgramSpec) -> list[int]:
+    """The k tokens that followed the latest earlier occurrence of the context's last n-gram (longest n first)."""
+    for n in range(spec.max_ngram, spec.min_ngram - 1, -1):
+        if len(context) <= n:
+            continue
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start: start + n] == tail:
+                return context[start + n: start + n + spec.k]
+    return []
+
+
 @dataclass
 class DecodeResult:
     """Per-request report. ``acceptance_length`` counts tokens per verification pass, as vLLM does."""
@@ -153,9 +178,11 @@ class SpeculativeDecoder:
     """Batch-1 decoding of one request, plain (no drafter) or speculative (chain or tree)."""
 
     def __init__(self, target: Target, drafter: Eagle3Drafter | None = None,
-                 spec: ChainSpec | TreeSpec | None = None):
+                 spec: ChainSpec | TreeSpec | NgramSpec | None = None):
         if drafter is not None and spec is None:
             spec = ChainSpec(3)
+        if drafter is None and spec is not None and not isinstance(spec, NgramSpec):
+            raise ValueError(f"{type(spec).__name__} drafting needs a drafter")
         self.target, self.drafter, self.spec = target, drafter, spec
         if drafter is not None:
             from draftsmith.drafter import check_fits
@@ -175,7 +202,7 @@ class SpeculativeDecoder:
         self._stop_ids = set(int(x) for x in eos_token_ids)
         result = DecodeResult(token_ids=[], prompt_length=ids.shape[1])
         t0 = time.perf_counter()
-        if self.drafter is None:
+        if self.spec is None:
             self._plain(ids, max_new_tokens, sampling, generator, result)
         else:
             self._speculative(ids, max_new_tokens, sampling, generator, result)
@@ -227,15 +254,21 @@ class SpeculativeDecoder:
         feats = out.aux_hidden_states
         next_ids = torch.cat([ids[:, 1:], torch.tensor([[pending]], device=device)], dim=1)
         length = ids.shape[1]
+        prompt = ids[0].tolist()
         while True:
             t = time.perf_counter()
-            pos = torch.arange(length - next_ids.shape[1], length, device=device)[None]
-            h = drafter(drafter.fuse(feats), next_ids, pos, dcache)[:, -1:]
-            if isinstance(self.spec, TreeSpec):
-                tree = self._draft_tree(h, length, dcache)
+            if drafter is None:  # prompt lookup
+                drafts = ngram_propose(prompt + result.token_ids, self.spec)
+                tree = _Tree(tokens=drafts, parents=list(range(len(drafts))),
+                             depths=list(range(1, len(drafts) + 1)), is_tree=False)
             else:
-                tree = self._draft_chain(h, length, dcache, sampling, generator)
-            dcache.crop(length)  # drafted keys never survive a round: they are recomputed from target features
+                pos = torch.arange(length - next_ids.shape[1], length, device=device)[None]
+                h = drafter(drafter.fuse(feats), next_ids, pos, dcache)[:, -1:]
+                if isinstance(self.spec, TreeSpec):
+                    tree = self._draft_tree(h, length, dcache)
+                else:
+                    tree = self._draft_chain(h, length, dcache, sampling, generator)
+                dcache.crop(length)  # drafted keys never survive a round: recomputed from target features
             _sync(device)
             result.draft_time += time.perf_counter() - t
 

@@ -1,46 +1,167 @@
-"""The main job on the embedded default.
+"""The main job: forge a drafter for the embedded default on one CPU box, from nothing to a measured speedup.
 
-For now: a real chat prompt decoded plainly and speculatively (chain and tree) with an untrained drafter
-on SmolLM2-135M-Instruct, showing that the output is token-for-token identical and what the speculative
-machinery costs when nothing is accepted. Later stages (generate, capture, train, export, bench) plug in here.
+Stages (each reads the previous stage's files and resumes when rerun):
+  1. generate  the target writes its own questions (Magpie) and answers them   -> conversations.jsonl
+  2. capture   aux hidden states + teacher state into a feature store          -> store/ (+ vocab)
+  3. train     EAGLE-3 drafter with training-time test                          -> run/ (best/, plots)
+  4. export    the vLLM layout                                                  -> export/vllm/
+  5. bench     plain vs EAGLE-3 (chain, tree) vs prompt lookup on MT-bench      -> bench/
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
-import torch
 
-PROMPT = "Explain in two sentences why the sky is blue."
+@dataclass(frozen=True)
+class Preset:
+    target: str  # a model path, 'smollm2', or 'tiny' (a random tiny Llama built in the workdir)
+    conversations: int
+    answer_tokens: int
+    question_tokens: int
+    gen_batch: int
+    draft_vocab_size: int
+    max_steps: int
+    ttt_steps: int
+    batch_tokens: int
+    lr: float
+    bench_datasets: tuple[str, ...]
+    bench_limit: int
+    bench_tokens: int
+    chain: int
+    tree: tuple[int, int, int]
 
 
-def run_demo(target: str = "smollm2", max_new_tokens: int = 64) -> int:
-    from draftsmith.cli import encode_prompt, stop_token_ids
-    from draftsmith.decode import ChainSpec, SpeculativeDecoder, TreeSpec
-    from draftsmith.drafter import new_drafter
+PRESETS = {
+    # Seconds, for tests: a random tiny target, a handful of conversations.
+    "tiny": Preset("tiny", 12, 40, 16, 6, 300, 40, 3, 1024, 3e-3, ("mt-bench",), 2, 24, 3, (3, 2, 6)),
+    # The README's `make demo`: about 20 minutes on 2 CPU cores.
+    "default": Preset("smollm2", 160, 192, 48, 16, 8192, 400, 4, 2048, 1e-3, ("mt-bench",), 12, 96, 3, (4, 4, 16)),
+    # Longer training and more data for the best numbers (an hour or more on CPU).
+    "full": Preset("smollm2", 800, 256, 48, 16, 16384, 3000, 5, 2048, 5e-4, ("mt-bench", "humaneval"), 40, 128, 5,
+                   (6, 8, 48)),
+}
+
+
+def _stage(name: str) -> float:
+    print(f"\n== {name} ==", file=sys.stderr, flush=True)
+    return time.perf_counter()
+
+
+def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target: str | None = None,
+             progress: bool = True, **overrides) -> dict:
+    """Run (or resume) the whole pipeline; returns the summary that is also written to summary.json."""
+    import torch
+
+    from draftsmith.bench import run_bench, write_report
+    from draftsmith.data.capture import CaptureConfig, capture
+    from draftsmith.data.generate import GenerateConfig, generate
+    from draftsmith.decode import ChainSpec, TreeSpec
+    from draftsmith.drafter import load_drafter
+    from draftsmith.export import export_drafter
     from draftsmith.target import load_target
+    from draftsmith.train import load_config, train
 
-    print(f"loading target {target} (first run converts the embedded GGUF once) ...", file=sys.stderr)
-    tgt = load_target(target)
-    tok = tgt.tokenizer
-    ids = encode_prompt(tok, PROMPT, chat=True)
-    stops = stop_token_ids(tok)
-    drafter = new_drafter(tgt)
-    rows = []
-    plain = SpeculativeDecoder(tgt).generate(ids, max_new_tokens, eos_token_ids=stops)
-    rows.append(("plain", plain))
-    for name, spec in (("chain k=3", ChainSpec(3)), ("tree 4,4,16", TreeSpec(4, 4, 16))):
-        rows.append((name, SpeculativeDecoder(tgt, drafter, spec).generate(ids, max_new_tokens, eos_token_ids=stops)))
-    print(f"\nprompt: {PROMPT}\nanswer: {tok.decode(plain.token_ids, skip_special_tokens=True)}\n")
-    print(f"{'mode':<14}{'tokens':>7}{'passes':>8}{'tau':>7}{'tok/s':>8}  identical to plain")
-    for name, r in rows:
-        same = r.token_ids == plain.token_ids
-        print(f"{name:<14}{len(r.token_ids):>7}{r.target_forward_passes:>8}{r.acceptance_length:>7.2f}"
-              f"{r.tokens_per_second:>8.1f}  {'yes' if same else 'NO'}")
-    print("\n(untrained drafter: acceptance near 1 is expected; train one to get a speedup)")
-    return 0 if all(r.token_ids == plain.token_ids for _, r in rows) else 1
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    p = replace(PRESETS[preset], **({"target": target} if target else {}), **overrides)
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    target_path = p.target
+    if p.target == "tiny":
+        from draftsmith.models import save_tiny_target
+
+        target_path = str(work / "target")
+        if not (work / "target" / "config.json").is_file():
+            save_tiny_target(target_path)
+    t = _stage(f"load target {target_path}")
+    tgt = load_target(target_path)
+    times["load"] = time.perf_counter() - t
+
+    t = _stage(f"1/5 generate: {p.conversations} self-prompted conversations")
+    summary = generate(GenerateConfig(out=work / "conversations.jsonl", self_prompt=p.conversations,
+                                      max_new_tokens=p.answer_tokens, question_max_new_tokens=p.question_tokens,
+                                      batch_size=p.gen_batch, seed=0, progress=progress,
+                                      question_allow_unfinished=p.target == "tiny"), target=tgt)
+    print(summary, file=sys.stderr)
+    times["generate"] = time.perf_counter() - t
+
+    t = _stage("2/5 capture: aux hidden states into the feature store")
+    cap = capture(tgt, tgt.tokenizer, CaptureConfig(conversations=work / "conversations.jsonl", out=work / "store",
+                                                    target=target_path, draft_vocab_size=p.draft_vocab_size,
+                                                    progress=progress))
+    print(cap.summary(), file=sys.stderr)
+    times["capture"] = time.perf_counter() - t
+
+    t = _stage(f"3/5 train: {p.max_steps} steps, ttt_steps={p.ttt_steps}")
+    run_dir = work / "run"
+    cfg = load_config(None, dict(target=target_path, store=str(work / "store"), out=str(run_dir),
+                                 max_steps=p.max_steps, ttt_steps=p.ttt_steps, batch_tokens=p.batch_tokens,
+                                 lr=p.lr, eval_every=max(10, p.max_steps // 5), save_every=max(10, p.max_steps // 5),
+                                 warmup_steps=max(2, p.max_steps // 20), progress=progress))
+    if (run_dir / "final" / "model.safetensors").is_file():
+        print(f"already trained: {run_dir / 'final'}", file=sys.stderr)
+    else:
+        cfg.resume = (run_dir / "checkpoints" / "latest").is_file()
+        train(cfg)
+    times["train"] = time.perf_counter() - t
+
+    t = _stage("4/5 export for vLLM")
+    export_dir = work / "export" / "vllm"
+    export_drafter(run_dir / "best", export_dir, "vllm", dtype="bf16", overwrite=True)
+    times["export"] = time.perf_counter() - t
+
+    t = _stage(f"5/5 bench on {', '.join(p.bench_datasets)} ({p.bench_limit} prompts, first turn)")
+    drafter = load_drafter(run_dir / "best", tgt)
+    specs = [ChainSpec(p.chain), TreeSpec(*p.tree)]
+    report = run_bench(tgt, drafter, p.bench_datasets, specs, limit=p.bench_limit, turns=1,
+                       max_new_tokens=p.bench_tokens, progress=progress)
+    paths = write_report(report, work / "bench")
+    times["bench"] = time.perf_counter() - t
+
+    best_eval = json.loads((run_dir / "best" / "eval.json").read_text()) if (run_dir / "best" / "eval.json").is_file() \
+        else {}
+    headline = report["results"][0]["methods"]
+    result = {
+        "preset": preset, "settings": asdict(p), "workdir": str(work), "target": target_path,
+        "drafter": str(run_dir / "best"), "export": str(export_dir),
+        "simulated_acceptance_length": best_eval.get("simulated_tau"),
+        "bench": {name: {"acceptance_length": m["acceptance_length"], "speedup": m["speedup"]}
+                  for name, m in headline.items()},
+        "bench_files": {k: str(v) for k, v in paths.items()},
+        "vllm_serve": serve_command(target_path, export_dir, p.chain),
+        "seconds": {**times, "total": time.perf_counter() - t0},
+        "torch_threads": torch.get_num_threads(),
+    }
+    (work / "summary.json").write_text(json.dumps(result, indent=2))
+    print_summary(result, (work / "bench" / "bench.txt").read_text())
+    return result
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    sys.exit(run_demo())
+def serve_command(target: str, drafter_dir: Path, k: int) -> str:
+    """The `vllm serve` line that would serve this target with the exported drafter."""
+    from draftsmith.models import resolve_model_path
+
+    spec = json.dumps({"method": "eagle3", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": k})
+    return f"vllm serve {resolve_model_path(target)[0].resolve()} --speculative-config '{spec}'"
+
+
+def print_summary(result: dict, table: str) -> None:
+    print("\n" + table)
+    chain = next((m for n, m in result["bench"].items() if n.startswith("eagle3 chain")), None)
+    print(f"drafter:  {result['drafter']}")
+    print(f"exported: {result['export']} (vLLM layout)")
+    if chain:
+        print(f"EAGLE-3 chain: acceptance length {chain['acceptance_length']:.2f}, "
+              f"speedup {chain['speedup']:.2f}x over plain decoding (same process)")
+    if result.get("simulated_acceptance_length"):
+        print(f"simulated acceptance length at training time: {result['simulated_acceptance_length']:.2f}")
+    print(f"serve it: {result['vllm_serve']}")
+    print(f"total {result['seconds']['total'] / 60:.1f} min; summary: {Path(result['workdir']) / 'summary.json'}")

@@ -157,8 +157,10 @@ class ExportReport:
             lines.append(f"serve: vllm serve TARGET --speculative-config '{spec}'")
         else:
             lines.append(f"serve: vllm serve {self.path}")
-        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "path": str(self.path)}
 
 
 def export_drafter(
@@ -363,10 +365,12 @@ def _convert(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _set_dtype(config: dict, dtype: torch.dtype, fmt: str) -> None:
+    """SGLang deployments run transformers 4.x, which reads ``torch_dtype``; vLLM 0.32 runs 5.x, where that
+    key is deprecated (its speculators config path warns) in favour of ``dtype``."""
     name = _dtype_name(dtype)
-    config["torch_dtype"] = name  # transformers 4.x (SGLang); 5.x maps it onto "dtype"
+    config["torch_dtype" if fmt == "sglang" else "dtype"] = name
     if fmt == "speculators":
-        config["transformer_layer_config"]["torch_dtype"] = name
+        config["transformer_layer_config"]["dtype"] = name
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -427,8 +431,10 @@ class ImportReport:
                  f"aux layer ids: {ids} (input of layer L)"]
         if self.dropped:
             lines.append(f"dropped: {', '.join(self.dropped)}")
-        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "source": str(self.source), "path": str(self.path)}
 
 
 def import_drafter(src: str | Path, out: str | Path, fmt: str = "auto", *, aux_layers=None,

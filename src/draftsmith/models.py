@@ -180,3 +180,19 @@ def build_tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.flo
             raise ValueError("tiny models must not tie embeddings (the head is rescaled)")
         head.weight.mul_(head_scale)
     return model.eval()
+
+
+def save_tiny_target(path: str | Path, arch: str = "llama", style: str = "chatml", *, seed: int = 0,
+                     **overrides) -> Path:
+    """A tiny random ``arch`` model with a real-template tokenizer, saved as a local model directory."""
+    from draftsmith.tiny_tokenizer import make_tokenizer
+
+    tok = make_tokenizer(style)
+    kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id or 0, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id or 0)
+    kw.update(overrides)
+    model = build_tiny_model(arch, seed=seed, **kw)
+    path = Path(path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -111,6 +111,7 @@ class GenerateConfig:
     question_max_new_tokens: int = 128
     question_min_chars: int = 10
     question_attempts: int = 8
+    question_allow_unfinished: bool = False  # keep questions cut by the token limit (random tiny targets)
     progress: bool = True
     fsync_every: float = 5.0  # seconds between fsyncs of the output
 
@@ -844,7 +845,7 @@ def _self_prompt_jobs(backend: _Backend, cfg: GenerateConfig, pending: list[int]
                 else:
                     text = res.content.strip()
                     key = _normalise_question(text)
-                    if res.finish_reason == "length":
+                    if res.finish_reason == "length" and not cfg.question_allow_unfinished:
                         reason = "question did not end within question-max-new-tokens"
                     elif len(text) < cfg.question_min_chars:
                         reason = f"question shorter than {cfg.question_min_chars} characters"

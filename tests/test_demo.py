@@ -1,0 +1,61 @@
+"""The main job end to end on a tiny random target: every artefact exists and bench counts like the decoder."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from draftsmith.bench import load_prompts
+from draftsmith.data.store import FeatureStore
+from draftsmith.decode import ChainSpec, SpeculativeDecoder
+from draftsmith.demo import PRESETS, run_demo
+from draftsmith.drafter import load_drafter
+from draftsmith.target import load_target
+from draftsmith.vocab import load_vocab
+
+
+def test_tiny_demo_pipeline(tmp_path):
+    work = tmp_path / "demo"
+    result = run_demo("tiny", work, progress=False)
+    preset = PRESETS["tiny"]
+    # Every stage left its artefact.
+    lines = (work / "conversations.jsonl").read_text().splitlines()
+    assert len(lines) == preset.conversations
+    assert all(json.loads(line)["messages"][-1]["role"] == "assistant" for line in lines)
+    store = FeatureStore(work / "store")
+    store.verify()
+    assert len(store) == preset.conversations
+    target = load_target(work / "target")
+    vocab = load_vocab(work / "store" / "vocab.safetensors", target.vocab_size)
+    assert vocab.draft_vocab_size == preset.draft_vocab_size
+    assert (work / "run" / "checkpoints" / "latest").is_file()
+    assert (work / "run" / "best" / "model.safetensors").is_file()
+    exported = json.loads((work / "export" / "vllm" / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == list(target.aux_layers)
+    report = json.loads((work / "bench" / "bench.json").read_text())
+    assert (work / "bench" / "bench.png").is_file()
+    assert result["bench"]["plain"]["speedup"] == 1.0
+
+    # bench's acceptance equals the decoder's own count on the same prompts.
+    drafter = load_drafter(work / "run" / "best", target)
+    tok = target.tokenizer
+    from draftsmith.cli import stop_token_ids
+
+    accepted = passes = 0
+    decoder = SpeculativeDecoder(target, drafter, ChainSpec(preset.chain))
+    for prompt in load_prompts("mt-bench", preset.bench_limit, turns=1):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt.turns[0]}], add_generation_prompt=True,
+                                       tokenize=False)
+        r = decoder.generate(tok(text, add_special_tokens=False)["input_ids"], preset.bench_tokens,
+                             eos_token_ids=stop_token_ids(tok), generator=torch.Generator().manual_seed(0))
+        accepted += sum(r.accepted_per_step)
+        passes += len(r.accepted_per_step)
+    chain = report["results"][0]["methods"][f"eagle3 chain k={preset.chain}"]
+    assert (chain["accepted"], chain["verify_passes"]) == (accepted, passes)
+    assert chain["acceptance_length"] == 1 + accepted / passes
+
+    # Rerunning resumes: nothing is generated, captured or trained again.
+    again = run_demo("tiny", work, progress=False)
+    assert again["bench"][f"eagle3 chain k={preset.chain}"]["acceptance_length"] == chain["acceptance_length"]
+    assert again["seconds"]["train"] < result["seconds"]["train"] + 1
