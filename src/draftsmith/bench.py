@@ -12,7 +12,6 @@ import importlib.util
 import json
 import platform
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,6 +236,9 @@ def plot_report(report: dict, path: Path) -> Path | None:
             if m["acceptance_per_position"]:
                 axes[0].plot(range(1, len(m["acceptance_per_position"]) + 1), m["acceptance_per_position"],
                              marker="o", label=f"{label}: {name}")
+    from matplotlib.ticker import MaxNLocator
+
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_xlabel("draft position")
     axes[0].set_ylabel("share of verify passes accepting it")
     axes[0].set_ylim(0, 1)
@@ -266,7 +268,3 @@ def write_report(report: dict, out: Path) -> dict[str, Path]:
         paths["png"] = png
     return paths
 
-
-def timed(fn, *args, **kwargs):
-    t = time.perf_counter()
-    return fn(*args, **kwargs), time.perf_counter() - t

@@ -67,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_parsers(sub)
     _add_train_parser(sub)
 
+    p = sub.add_parser("bench", help="measure a drafter on real prompt sets against plain decoding")
+    _add_target_args(p)
+    p.add_argument("--drafter", required=True, help="EAGLE-3 drafter directory")
+    p.add_argument("--datasets", default="mt-bench", help="comma-separated: mt-bench, humaneval, or JSONL paths")
+    p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
+    b = p.add_mutually_exclusive_group()
+    b.add_argument("--chain", type=int, default=None, metavar="K", help="chain of K draft tokens (default 3)")
+    b.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree")
+    p.add_argument("--prompt-lookup", type=int, default=3, metavar="K",
+                   help="also measure n-gram prompt lookup with K tokens (0: skip)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.txt, bench.png")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
     p = sub.add_parser("demo", help="the main job: forge and measure a drafter for the embedded default",
                        description="Generate, capture, train, export and bench in one go; rerunning resumes.")
     p.add_argument("--preset", default="default", choices=["tiny", "default", "full"],
@@ -92,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             return {"export": _export, "import": _import}[args.command](args)
         if args.command == "train":
             return _train(args)
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "demo":
             from draftsmith.demo import run_demo
 
@@ -104,6 +122,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _bench(args) -> int:
+    import torch
+
+    from draftsmith.bench import format_table, run_bench, write_report
+    from draftsmith.decode import ChainSpec, TreeSpec
+    from draftsmith.drafter import load_drafter
+    from draftsmith.target import load_target
+
+    try:
+        temperatures = [float(t) for t in args.temperature.split(",")]
+    except ValueError as e:
+        raise UsageError(f"--temperature wants comma-separated numbers, got {args.temperature!r}") from e
+    spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain or 3)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    target = load_target(args.target, device=args.device, dtype=dtype, aux_layers=_parse_ints(args.aux_layers))
+    drafter = load_drafter(args.drafter, target)
+    report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], [spec], temperatures,
+                       limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
+                       prompt_lookup_k=args.prompt_lookup or None, progress=args.progress)
+    paths = write_report(report, args.out)
+    print(format_table(report))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    return 0
 
 
 def _quiet_libraries() -> None:
