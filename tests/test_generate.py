@@ -42,8 +42,9 @@ MAX_NEW = 6
 def model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama whose vocabulary matches a ChatML tokenizer, saved like a real model."""
     tok = make_tokenizer("chatml")
+    # head_scale 4: flat next-token distributions, so sampled questions vary (the chatty fixture relies on it)
     model = build_tiny_model("llama", vocab_size=len(tok), num_hidden_layers=4, bos_token_id=tok.bos_token_id,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, head_scale=4.0)
     d = tmp_path_factory.mktemp("tiny-chatml")
     model.save_pretrained(d)
     tok.save_pretrained(d)

@@ -45,8 +45,9 @@ def test_custom_aux_layers_and_incremental_decode(arch):
     first = target(ids[:, :6], cache=cache)
     rest = target(ids[:, 6:], cache=cache)
     for a_full, a0, a1 in zip(full.aux_hidden_states, first.aux_hidden_states, rest.aux_hidden_states, strict=True):
-        torch.testing.assert_close(torch.cat([a0, a1], 1), a_full, atol=1e-10, rtol=0)
-    torch.testing.assert_close(rest.logits, full.logits[:, 6:], atol=1e-10, rtol=0)
+        # fp64 model, but HF builds RoPE tables in float32: positions differ by chunking at ~1e-9.
+        torch.testing.assert_close(torch.cat([a0, a1], 1), a_full, atol=1e-7, rtol=0)
+    torch.testing.assert_close(rest.logits, full.logits[:, 6:], atol=1e-6, rtol=0)
 
 
 def test_wrapper_layers_found_under_language_model():

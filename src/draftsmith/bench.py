@@ -268,3 +268,33 @@ def write_report(report: dict, out: Path) -> dict[str, Path]:
         paths["png"] = png
     return paths
 
+
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def markdown_table(report: dict, command: str | None = None) -> str:
+    """The report as a Markdown table, with the machine and the command that produced it."""
+    info = report["machine"]
+    rows = ["| dataset | T | method | acceptance length | tok/s | speedup |", "|---|---|---|---|---|---|"]
+    for res in report["results"]:
+        for name, m in res["methods"].items():
+            rows.append(f"| {res['dataset']} ({res['prompts']} prompts) | {res['temperature']:g} | {name} | "
+                        f"{m['acceptance_length']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x |")
+    rows.append("")
+    rows.append(f"Target `{report['target']}`, max {report['max_new_tokens']} new tokens; machine: {info['cpu']}, "
+                f"{info['cores']} cores, {info['torch_threads']} torch threads, torch {info['torch']}.")
+    if command:
+        rows.append(f"Produced by `{command}`.")
+    return "\n".join(rows)
+
+
+def update_readme(readme: Path, report: dict, command: str | None = None) -> None:
+    """Replace the text between the bench markers of a README with the report's table."""
+    readme = Path(readme)
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"{readme} has no {README_START} ... {README_END} section to fill")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_START}\n{markdown_table(report, command)}\n{README_END}{tail}")
+

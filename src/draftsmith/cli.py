@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_vocab_parser(sub)
     _add_export_parsers(sub)
     _add_train_parser(sub)
+    _add_doctor_parsers(sub)
 
     p = sub.add_parser("bench", help="measure a drafter on real prompt sets against plain decoding")
     _add_target_args(p)
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.txt, bench.png")
+    p.add_argument("--readme", default=None, help="also write the table into this README's bench section")
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
     p = sub.add_parser("demo", help="the main job: forge and measure a drafter for the embedded default",
@@ -96,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("doctor", "serve"):  # before the library imports below: doctor answers in under a second
+        return _doctor_or_serve(args)
     _quiet_libraries()
     from draftsmith.data.store import StoreError
 
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args) -> int:
     import torch
 
-    from draftsmith.bench import format_table, run_bench, write_report
+    from draftsmith.bench import format_table, run_bench, update_readme, write_report
     from draftsmith.decode import ChainSpec, TreeSpec
     from draftsmith.drafter import load_drafter
     from draftsmith.target import load_target
@@ -144,6 +148,8 @@ def _bench(args) -> int:
                        limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        prompt_lookup_k=args.prompt_lookup or None, progress=args.progress)
     paths = write_report(report, args.out)
+    if args.readme:
+        update_readme(args.readme, report, "draftsmith " + " ".join(sys.argv[1:]))
     print(format_table(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0
@@ -466,6 +472,65 @@ def _import(args) -> int:
         print(f"draftsmith: warning: {w.message}", file=sys.stderr)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0
+
+
+# --- doctor / serve --------------------------------------------------------------------------------------
+def _add_doctor_parsers(sub) -> None:
+    from draftsmith.doctor import ENGINES
+
+    p = sub.add_parser(
+        "doctor", help="check a target/drafter pair against an engine from files on disk, in seconds",
+        description="Reads config, tokenizer and safetensors headers only (never weights) and reports every "
+                    "mismatch that would fail at load or accept ~nothing. Exit 0: nothing blocks; 1: an error "
+                    "finding; 2: unusable arguments.")
+    p.add_argument("--target", required=True, help="target model directory")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (any layout draftsmith reads)")
+    p.add_argument("--engine", choices=ENGINES, default="vllm", help="engine to check against (default vllm)")
+    p.add_argument("--engine-version", default=None, metavar="X.Y",
+                   help="vLLM version to check against (default: the one installed here, else the latest facts)")
+    p.add_argument("--vllm-import", action="store_true",
+                   help="ask the installed vLLM's real classes (imports vLLM: 5-15 s) instead of reading its source")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+    p = sub.add_parser(
+        "serve", help="doctor the pair, then launch vllm serve with the EAGLE-3 speculative config",
+        description="Runs doctor for vLLM first and refuses on blocking findings (unless --force), then runs "
+                    "`vllm serve TARGET --speculative-config {...}` and prints the exact command. Arguments after "
+                    "`--` go to vllm serve unchanged.")
+    p.add_argument("--target", required=True, help="target model directory (or a name vLLM resolves)")
+    p.add_argument("--drafter", required=True, help="EAGLE-3 drafter directory (vLLM-loadable layout)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="draft tokens (default 3)")
+    p.add_argument("--port", type=int, default=None, help="vllm serve --port")
+    p.add_argument("--engine-version", default=None, metavar="X.Y", help="vLLM version for doctor's facts")
+    p.add_argument("--vllm-bin", default=None, metavar="PATH", help="the vllm executable (default: vllm on PATH)")
+    p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    p.add_argument("--force", action="store_true", help="launch even when doctor finds blocking errors")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="-- VLLM_ARGS",
+                   help="extra arguments for vllm serve, after --")
+
+
+def _doctor_or_serve(args) -> int:
+    from draftsmith.doctor import DoctorUsageError
+
+    try:
+        if args.command == "doctor":
+            from draftsmith.doctor import diagnose
+
+            report = diagnose(args.target, args.drafter, engine=args.engine, engine_version=args.engine_version,
+                              vllm_import=args.vllm_import)
+            print(json.dumps(report.to_dict()) if args.json else report.summary())
+            return report.exit_code
+        from draftsmith.integrations.vllm import serve
+
+        extra = list(args.vllm_args)
+        if extra and extra[0] == "--":
+            extra = extra[1:]
+        return serve(args.target, args.drafter, args.num_speculative_tokens, port=args.port, extra_args=extra,
+                     dry_run=args.dry_run, force=args.force, engine_version=args.engine_version,
+                     vllm_bin=args.vllm_bin)
+    except (DoctorUsageError, UsageError, FileNotFoundError, ValueError) as e:
+        print(f"draftsmith: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 # --- shared helpers ---------------------------------------------------------------------------------------

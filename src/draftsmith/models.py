@@ -174,10 +174,13 @@ def build_tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.flo
     model = cls.from_config(config, dtype=dtype, **kwargs)
     # Random init gives near-uniform next-token distributions (max prob ~1%); scale the head so they are
     # peaked like a trained LM's (max prob ~0.4, entropy ~2.5 nats), which is what drafters learn from.
+    head = model.get_output_embeddings()
+    if head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr():  # wrappers tie by default
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        for cfg in (model.config, getattr(model.config, "text_config", None)):
+            if cfg is not None:
+                cfg.tie_word_embeddings = False
     with torch.no_grad():
-        head = model.get_output_embeddings()
-        if head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr():
-            raise ValueError("tiny models must not tie embeddings (the head is rescaled)")
         head.weight.mul_(head_scale)
     return model.eval()
 
@@ -196,3 +199,104 @@ def save_tiny_target(path: str | Path, arch: str = "llama", style: str = "chatml
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# --- the seed's case: DeepSeek-V3 / Kimi-K2 structured tiny targets ---------------------------------------
+DEEPSEEK_VARIANTS = ("deepseek_v3", "kimi_k2", "kimi_k25_wrapper")
+
+# vLLM's CPU MLA decode kernel (csrc/cpu/mla_decode.cpp) is compiled for one latent cache width only,
+# kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 (the real DeepSeek-V3 / Kimi-K2 values).
+VLLM_CPU_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def tiny_deepseek_kwargs(vllm_cpu: bool = True) -> dict:
+    """Config fields of a tiny DeepSeek-V3 with every structural feature of the real one.
+
+    Routed + shared experts behind a sigmoid router with a correction bias and group-limited top-k,
+    ``first_k_dense_replace`` dense layers first, MLA (``q_lora_rank``, ``kv_lora_rank``, rope/nope head
+    dims, interleaved rope), YaRN rope with mscale (as in the real config, max positions = factor x original),
+    and the router fields vLLM's loader reads from config.json (transformers' router ignores them: it is
+    always sigmoid + correction bias). ``vllm_cpu`` sets the MLA latent sizes vLLM's CPU kernels accept.
+    """
+    kw = dict(
+        num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_interleave=True, topk_method="noaux_tc", scoring_func="sigmoid",
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                             beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=40 * 4096,
+    )
+    if vllm_cpu:
+        kw.update(VLLM_CPU_MLA)
+    return kw
+
+
+def save_tiny_deepseek_target(path: str | Path, variant: str = "deepseek_v3", *, seed: int = 0, vllm_cpu: bool = True,
+                              router_bias_std: float = 0.05, **overrides) -> Path:
+    """A tiny DeepSeek-V3-structured target saved as a local model directory with the DeepSeek-V3 tokenizer.
+
+    ``variant``: ``deepseek_v3`` (``DeepseekV3ForCausalLM``); ``kimi_k2`` (the same model and weights for a
+    seed, config.json says ``model_type: kimi_k2`` as Kimi-K2's does; vLLM maps it to DeepSeek-V3, transformers
+    does not know it); ``kimi_k25_wrapper`` (a Kimi-K2.5-style multimodal wrapper: the text model nested under
+    ``text_config`` with ``model_type: kimi_k2``, a tiny vision tower, ``media_placeholder_token_id`` and no
+    ``image_token_index``). The router's ``e_score_correction_bias`` is random (std ``router_bias_std``), not
+    zero, so that expert selection depends on it as in the released checkpoints.
+    """
+    import json
+
+    from draftsmith.tiny_tokenizer import make_tokenizer
+
+    if variant not in DEEPSEEK_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {DEEPSEEK_VARIANTS}")
+    tok = make_tokenizer("deepseek_v3")
+    kw = tiny_deepseek_kwargs(vllm_cpu)
+    kw.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id)
+    kw.update(overrides)
+    if variant == "kimi_k25_wrapper":
+        model = _build_tiny_kimi_k25(seed=seed, **kw)
+    else:
+        model = build_tiny_model("deepseek_v3", seed=seed, **kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g, dtype=torch.float32) * router_bias_std)
+    path = Path(path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    if variant == "kimi_k2":
+        config["model_type"] = "kimi_k2"
+    elif variant == "kimi_k25_wrapper":
+        config["architectures"] = ["KimiK25ForConditionalGeneration"]  # the released checkpoint's name
+        config["text_config"]["model_type"] = "kimi_k2"
+        config["text_config"]["architectures"] = ["DeepseekV3ForCausalLM"]
+        config.pop("image_token_index", None)
+        config["text_config"].pop("image_token_index", None)
+        config.setdefault("media_placeholder_token_id", config.get("image_token_id"))
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def _build_tiny_kimi_k25(*, seed: int = 0, dtype: torch.dtype = torch.float32, head_scale: float = 24.0, **overrides):
+    """``build_tiny_model("kimi_k25_wrapper")`` with untied embeddings: ``Kimi_K25Config`` defaults to
+    ``tie_word_embeddings=True`` (transformers 5.2x) while the released Kimi-K2.5 unties them."""
+    import transformers
+
+    config = tiny_config("kimi_k25_wrapper", **overrides)
+    config.tie_word_embeddings = False
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    head = model.get_output_embeddings()
+    if head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr():  # wrappers tie by default
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        for cfg in (model.config, getattr(model.config, "text_config", None)):
+            if cfg is not None:
+                cfg.tie_word_embeddings = False
+    with torch.no_grad():
+        head.weight.mul_(head_scale)
+    return model.eval()
