@@ -279,6 +279,15 @@ def test_refuses_to_clobber(exported, tmp_path):
         export_drafter(d, tmp_path / "s", "speculators")
 
 
+def test_import_over_an_old_export(exported, tmp_path):
+    root, _, d = exported
+    export_drafter(d, tmp_path, "vllm")
+    with pytest.raises(ExportError, match="already holds"):
+        import_drafter(root / "sglang", tmp_path)
+    import_drafter(root / "sglang", tmp_path, overwrite=True)
+    assert detect_format(tmp_path) == "draftsmith"  # the stale draftsmith-export.json is gone
+
+
 # --- import of checkpoints other tools wrote ------------------------------------------------------------
 def _reference_checkpoint(d, path: Path, *, bin_file: bool = False, config_extra: dict | None = None,
                           drop: tuple[str, ...] = ()) -> None:
@@ -529,7 +538,7 @@ def test_vllm_serves_exported_drafter(fmt, tmp_path_factory):
     assert res["tokens"] == [p[6:30] for p in prompts]  # lossless: the target's own greedy continuation
     m = res["metrics"]
     acceptance = m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"]
-    assert acceptance > 0.7, m
+    assert acceptance > 0.85, m  # fitted: ~0.92; the same drafter read one layer off: ~0.73
 
 
 _FITTED: dict[str, Path] = {}

@@ -336,6 +336,9 @@ class Eagle3Drafter(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            # A full vocabulary needs no mapping, and vLLM rejects a d2t it has no parameter for.
+            state.pop("d2t"), state.pop("t2d")
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(self.config.to_hf_config(self.fc.weight.dtype), indent=2))
         return path
@@ -396,6 +399,8 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
         cfg.hidden_size != (target.embed_tokens.weight.shape[1] if target is not None else cfg.target_hidden_size))
     if not own:
         state.pop("embed_tokens.weight", None)
+    if target is None and not cfg.aux_layer_ids:
+        raise DrafterError(f"{cfg_file} names no aux hidden state layer ids; load it with its target")
     if target is not None:
         if not cfg.aux_layer_ids:
             cfg.aux_layer_ids = tuple(target.aux_layers)

@@ -143,8 +143,9 @@ class ExportReport:
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        ids = self.aux_layer_ids or "unknown (the engine uses the target's default)"
         lines = [f"exported {self.format} drafter to {self.path} ({len(self.weights)} tensors, {self.dtype})",
-                 f"aux layer ids: {self.aux_layer_ids} (input of layer L; vLLM)"
+                 f"aux layer ids: {ids} (input of layer L; vLLM)"
                  + (f", {self.aux_layer_ids_sglang} in SGLang's eagle_config" if self.aux_layer_ids_sglang
                     is not None else "")]
         k = self.num_speculative_tokens
@@ -188,13 +189,11 @@ def export_drafter(
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if num_speculative_tokens < 1:
         raise ExportError("num_speculative_tokens must be >= 1")
-    if isinstance(drafter, Eagle3Drafter):
+    if isinstance(drafter, Eagle3Drafter):  # a live drafter is consistent by construction
         ckpt = DrafterCheckpoint.from_drafter(drafter)
-    elif isinstance(drafter, DrafterCheckpoint):
-        ckpt = drafter
     else:
-        ckpt = read_checkpoint(drafter)
-    ckpt.build()  # validate shapes and d2t/t2d before writing anything
+        ckpt = drafter if isinstance(drafter, DrafterCheckpoint) else read_checkpoint(drafter)
+        ckpt.build()  # validate shapes and d2t/t2d before writing anything
     cfg = ckpt.config
     out = Path(out)
     if isinstance(drafter, (str, Path)) and out.resolve() == Path(drafter).resolve():
@@ -203,7 +202,7 @@ def export_drafter(
     if fmt == "speculators" and not verifier:
         raise ExportError("the speculators layout names its verifier (vLLM serves that model): pass verifier= "
                           "(--verifier NAME_OR_PATH), the target's Hugging Face id or directory")
-    if not ckpt.aux_known and fmt != "sglang":
+    if not ckpt.aux_known:
         notes.append("aux layer ids unknown (source did not record them): the engine will use the target's "
                      "default (2, N//2, N-3)")
 
@@ -219,12 +218,12 @@ def export_drafter(
 
     if fmt == "sglang":
         if ckpt.n_aux != 3:
-            notes.append(f"{ckpt.n_aux} aux layers: SGLang's EAGLE-3 drafter fuses exactly 3")
+            notes.append(f"{ckpt.n_aux} aux layers: SGLang's llama_eagle3 has sized fc for 3; check your version")
         if cfg.norm_before_residual:
             notes.append("norm_before_residual=True: check that your SGLang version implements it")
         if ckpt.has_own_embedding:
-            notes.append("the drafter's width differs from the target's: SGLang replaces a drafter's embedding "
-                         "with the target's, so check your version serves it")
+            notes.append("the drafter's width differs from the target's: SGLang versions that hand EAGLE-3 "
+                         "drafters the target's embedding cannot serve it; check yours")
         config = _sglang_config(ckpt)
         state = {_MIDLAYER + k.removeprefix(_LAYER) if k.startswith(_LAYER) else k: v for k, v in state.items()}
         if cfg.draft_vocab_size == cfg.vocab_size:  # identity mapping: vLLM refuses a d2t on a full vocabulary
@@ -250,7 +249,8 @@ def export_drafter(
         "source_format": ckpt.source_format,
         "aux_layer_ids": list(cfg.aux_layer_ids) if ckpt.aux_known else None,
         "aux_layer_ids_convention": "input of layer L (vLLM, speculators, draftsmith)",
-        "aux_layer_ids_sglang": to_sglang_layer_ids(cfg.aux_layer_ids) if ckpt.aux_known else None,
+        "aux_layer_ids_sglang": [i - 1 for i in cfg.aux_layer_ids] if ckpt.aux_known and min(cfg.aux_layer_ids) > 0
+        else None,
         "aux_layer_ids_sglang_convention": "output of layer i (SGLang eagle_config; its loader adds 1)",
         "dtype": {"from": _dtype_name(ckpt.dtype), "to": _dtype_name(target_dtype)},
         "embed_tokens": embedded,
@@ -468,8 +468,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
             p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name.endswith(".index.json")))
         if stale:
             raise ExportError(f"{out}: holds other weight files {stale}; use an empty directory")
-        if not overwrite and ((out / "config.json").exists() or (out / WEIGHTS_FILE).exists()):
+        if not overwrite and any((out / n).exists() for n in ("config.json", WEIGHTS_FILE, MANIFEST_FILE)):
             raise ExportError(f"{out}: already holds a checkpoint; pass overwrite=True (--force) to replace it")
+        # A leftover export manifest would make detect_format call the native checkpoint an engine layout.
+        (out / MANIFEST_FILE).unlink(missing_ok=True)
 
 
 def detect_format(path: str | Path) -> str:
