@@ -376,7 +376,7 @@ def _vocab(args) -> int:
 
 # --- train -----------------------------------------------------------------------------------------------
 def _add_train_parser(sub) -> None:
-    from draftsmith.train import TrainConfig
+    from draftsmith.train_config import TrainConfig
 
     p = sub.add_parser("train", help="train an EAGLE-3 drafter with training-time test (offline or online)",
                        description="Every field of the config file can be overridden here (--ttt-steps 3 ...).")
@@ -391,7 +391,8 @@ def _add_train_parser(sub) -> None:
 
 
 def _train(args) -> int:
-    from draftsmith.train import TrainConfig, load_config, train
+    from draftsmith.train import train
+    from draftsmith.train_config import TrainConfig, load_config
 
     overrides = {k: getattr(args, k) for k in TrainConfig.fields() if getattr(args, k, None) is not None}
     cfg = load_config(args.config, overrides)

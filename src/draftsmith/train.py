@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import difflib
 import hashlib
 import json
 import math
@@ -19,7 +18,6 @@ import random
 import shutil
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,88 +26,8 @@ import torch.distributed as dist
 
 from draftsmith import vocab as vocab_mod
 from draftsmith.drafter import Eagle3Drafter, load_drafter, new_drafter
+from draftsmith.train_config import _RESUMABLE, TrainConfig, TrainError, config_hash, load_config  # noqa: F401
 from draftsmith.ttt import TTTBatch, TTTStats, simulated_acceptance_length, teacher_targets, ttt_forward
-
-
-class TrainError(ValueError):
-    """A run that cannot start or continue: bad config, mismatched store or resume directory, NaN loss."""
-
-
-@dataclass
-class TrainConfig:
-    target: str = "smollm2"  # model dir / .gguf / 'smollm2': offline mode reads only its embed + lm_head
-    store: str | None = None  # offline: a feature store written by `draftsmith capture`
-    conversations: str | None = None  # online: conversations JSONL; the target runs inside the loop
-    out: str = "runs/drafter"
-    vocab: str | None = None  # d2t/t2d file; default: the store's vocab.safetensors
-    draft_vocab_size: int = 32000  # used when the vocab is built on the fly (online mode)
-    init_drafter: str | None = None  # start from an existing drafter instead of random weights
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    epochs: int = 1
-    max_steps: int = 0  # 0: as many optimizer steps as `epochs` give
-    batch_tokens: int = 2048  # tokens per micro-batch (length-bucketed, right-padded)
-    grad_accum: int = 1
-    lr: float = 1e-4
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    eval_fraction: float = 0.05
-    eval_every: int = 50
-    save_every: int = 50
-    log_every: int = 10
-    max_length: int = 2048
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    force: bool = False  # train on a store made for another target anyway
-    resume: bool = False
-    stop_at_step: int = 0  # stop (with a checkpoint) after this step: for interruptions and tests
-    plot: bool = True
-    progress: bool = True
-
-    @classmethod
-    def fields(cls) -> dict[str, dataclasses.Field]:
-        return {f.name: f for f in dataclasses.fields(cls)}
-
-
-# Fields that may change between a run and its resumption (they do not change what is computed).
-_RESUMABLE = {"resume", "stop_at_step", "progress", "plot", "log_every", "force", "device"}
-
-
-def load_config(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
-    """A config file (TOML or YAML) with command-line overrides; unknown keys name the closest valid one."""
-    values: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"{path}: no such config file")
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(p.read_text()) or {}
-        else:
-            values = tomllib.loads(p.read_text())
-        values = values.get("train", values)
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    known = TrainConfig.fields()
-    for key in values:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TrainError(f"unknown config key {key!r}{hint}")
-    cfg = TrainConfig(**values)
-    if (cfg.store is None) == (cfg.conversations is None):
-        raise TrainError("give exactly one data source: store (offline) or conversations (online)")
-    if cfg.ttt_steps < 1 or cfg.batch_tokens < 2 or cfg.grad_accum < 1:
-        raise TrainError("ttt_steps, grad_accum must be >= 1 and batch_tokens >= 2")
-    return cfg
-
-
-def config_hash(cfg: TrainConfig) -> str:
-    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # --- data -------------------------------------------------------------------------------------------------
