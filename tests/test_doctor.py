@@ -628,6 +628,7 @@ def vllm_source():
     return vi.VllmSource(roots[0], "0.32.0")
 
 
+@pytest.mark.slow  # needs .venv-vllm, which `make test-slow` creates
 def test_032_table_matches_vllm_source(vllm_source):
     """The 0.32 facts were derived from this source; the ast reader must still agree with them."""
     p = vi.VLLM_PROFILES["0.32"]
@@ -640,6 +641,7 @@ def test_032_table_matches_vllm_source(vllm_source):
     assert set(p.mm_token_field) <= vllm_source.multimodal_archs | vllm_source.transformers_backend_archs
 
 
+@pytest.mark.slow
 def test_live_vllm_source_is_used_when_installed(vllm_source, tmp_path):
     t = fixture("llama", tmp_path)
     edit(t, architectures=["MixtralForCausalLM"], model_type="mixtral")

@@ -39,7 +39,7 @@ from draftsmith.target import Target
 
 FORMATS = ("sglang", "vllm", "speculators")
 VERIFIER = "org/tiny-llama"
-VLLM_PYTHON = Path("/work/main/.venv-vllm/bin/python")
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 LAYER_PARAMS = (
     "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -472,7 +472,8 @@ _VLLM_CONFIG_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM venv at /work/main/.venv-vllm")
+@pytest.mark.slow  # needs .venv-vllm, which `make test-slow` creates
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM venv (make vllm-env)")
 def test_vllm_config_classes_accept_exports(exported):
     root, target, d = exported
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
@@ -518,7 +519,7 @@ _VLLM_SERVE_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM venv at /work/main/.venv-vllm")
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM venv (make vllm-env)")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_vllm_serves_exported_drafter(fmt, tmp_path_factory):
     """vLLM (CPU) serves each export of a drafter fitted to a tiny target, and accepts its drafts.
