@@ -27,7 +27,14 @@ import torch.distributed as dist
 from draftsmith import vocab as vocab_mod
 from draftsmith.drafter import Eagle3Drafter, load_drafter, new_drafter
 from draftsmith.train_config import _RESUMABLE, TrainConfig, TrainError, config_hash, load_config  # noqa: F401
-from draftsmith.ttt import TTTBatch, TTTStats, simulated_acceptance_length, teacher_targets, ttt_forward
+from draftsmith.ttt import (
+    TTTBatch,
+    TTTStats,
+    simulated_acceptance_length,
+    target_argmax,
+    teacher_targets,
+    ttt_forward,
+)
 
 
 # --- data -------------------------------------------------------------------------------------------------
@@ -41,8 +48,10 @@ class StoreSource:
 
     def load(self, indices: list[int]) -> TTTBatch:
         samples = [self.store.get(i) for i in indices]
-        return collate([(s["input_ids"], s["loss_mask"], s["aux_hidden_states"].flatten(-2), s["hidden_state"])
-                        for s in samples], self.max_length, self.dtype)
+        batch = collate([(s["input_ids"], s["loss_mask"], s["aux_hidden_states"].flatten(-2), s["hidden_state"])
+                         for s in samples], self.max_length, self.dtype)
+        batch.indices = list(indices)
+        return batch
 
 
 class OnlineSource:
@@ -213,7 +222,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     log = _Log(out, rank)
     bar = _progress(cfg, rank, total_steps, state["step"])
-    teacher = lambda b: teacher_targets(b, lm_head, target_ids, drafter.t2d, heads.final_logit_softcapping)  # noqa: E731
+    teacher = Teacher(lm_head, target_ids, drafter.t2d, heads.final_logit_softcapping)
     last_eval: dict = {}
     tokens_seen, t_start = 0, time.perf_counter()
     drafter.train()
@@ -284,6 +293,31 @@ def train(cfg: TrainConfig) -> TrainResult:
         if cfg.plot:
             plot_run(out)
     return TrainResult(out, state["step"], state["best_tau"], last_eval)
+
+
+class Teacher:
+    """Teacher targets per batch, with the target's full-vocabulary argmax cached per stored sample.
+
+    The argmax over the whole vocabulary costs more than the drafter's own step and is the same in every
+    epoch, so it is computed once per sample (8 bytes a token); online batches are computed afresh.
+    """
+
+    def __init__(self, lm_head: torch.Tensor, target_ids: torch.Tensor, t2d: torch.Tensor, softcap: float | None):
+        self.lm_head, self.target_ids, self.t2d, self.softcap = lm_head, target_ids, t2d, softcap
+        self._argmax: dict[int, torch.Tensor] = {}
+
+    def __call__(self, batch: TTTBatch):
+        argmax = None
+        if batch.indices is not None:
+            for row, i in enumerate(batch.indices):
+                if i not in self._argmax:
+                    n = int(batch.lengths[row])
+                    self._argmax[i] = target_argmax(batch.hidden_state[row, :n], self.lm_head)
+            argmax = torch.zeros(batch.input_ids.shape, dtype=torch.long, device=batch.input_ids.device)
+            for row, i in enumerate(batch.indices):
+                a = self._argmax[i]
+                argmax[row, : a.numel()] = a
+        return teacher_targets(batch, self.lm_head, self.target_ids, self.t2d, self.softcap, argmax=argmax)
 
 
 @torch.no_grad()

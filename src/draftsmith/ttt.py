@@ -26,10 +26,11 @@ class TTTBatch:
     aux_hidden_states: torch.Tensor  # [B, T, n*H] concatenated aux states
     hidden_state: torch.Tensor  # [B, T, H] target's final post-norm hidden (teacher)
     lengths: torch.Tensor  # [B] real lengths
+    indices: list[int] | None = None  # sample indices in the source (for per-sample caches)
 
     def to(self, device) -> TTTBatch:
         return TTTBatch(*(getattr(self, f).to(device) for f in ("input_ids", "loss_mask", "aux_hidden_states",
-                                                                   "hidden_state", "lengths")))
+                                                                   "hidden_state", "lengths")), self.indices)
 
     @property
     def num_tokens(self) -> int:
@@ -78,26 +79,36 @@ def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def target_argmax(hidden_state: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The target's greedy choice at each position ([..., H] -> [...]), over its full vocabulary.
+
+    Soft-capping is monotone, so it does not change the argmax. Chunked: the full logits never exist at once.
+    """
+    flat = hidden_state.reshape(-1, hidden_state.shape[-1])
+    out = [(flat[s: s + chunk].to(lm_head_weight.dtype) @ lm_head_weight.T).argmax(-1)
+           for s in range(0, flat.shape[0], chunk)]
+    return torch.cat(out).view(hidden_state.shape[:-1])
+
+
+@torch.no_grad()
 def teacher_targets(batch: TTTBatch, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
-                    t2d: torch.Tensor, softcap: float | None = None, chunk: int = 1024):
+                    t2d: torch.Tensor, softcap: float | None = None, chunk: int = 1024,
+                    argmax: torch.Tensor | None = None):
     """Teacher distribution over the draft vocabulary, and the target's argmax, from the final hidden state.
 
-    Returns (probs [B, T, Vd] float32, argmax_draft_id [B, T] long, argmax_in_draft [B, T] bool). Chunked
-    over positions so the full-vocabulary logits never exist for the whole batch at once.
+    Returns (probs [B, T, Vd] float32, argmax_draft_id [B, T] long, argmax_in_draft [B, T] bool). ``argmax``
+    ([B, T], e.g. cached across epochs) skips the full-vocabulary product, the costliest part of a step.
     """
     b, t, h = batch.hidden_state.shape
     hidden = batch.hidden_state.reshape(b * t, h)
     draft_w = lm_head_weight[target_ids]
-    probs, argmax_target = [], []
+    probs = []
     for s in range(0, b * t, chunk):
-        x = hidden[s: s + chunk].to(lm_head_weight.dtype)
-        full = x @ lm_head_weight.T
-        draft = x @ draft_w.T
+        draft = hidden[s: s + chunk].to(lm_head_weight.dtype) @ draft_w.T
         if softcap:
-            full, draft = (torch.tanh(v / softcap) * softcap for v in (full, draft))
-        argmax_target.append(full.argmax(-1))
+            draft = torch.tanh(draft / softcap) * softcap
         probs.append(draft.float().softmax(-1))
-    argmax_target = torch.cat(argmax_target).view(b, t)
+    argmax_target = argmax if argmax is not None else target_argmax(batch.hidden_state, lm_head_weight, chunk)
     in_draft = t2d[argmax_target]
     # Draft id of a target id = its rank among the kept ids (draft ids are kept ids in ascending order).
     draft_id = torch.searchsorted(target_ids, argmax_target).clamp_max(target_ids.numel() - 1)
