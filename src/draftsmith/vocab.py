@@ -136,6 +136,7 @@ def save_vocab(path, vocab: DraftVocab, counts: torch.Tensor, metadata: dict[str
         metadata=meta,
     )
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
