@@ -326,7 +326,10 @@ def load_target(
     try:
         config = AutoConfig.from_pretrained(model_dir, **extra)
     except (OSError, ValueError, KeyError) as e:
-        raise TargetError(f"{path}: not a loadable model ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+        config = _aliased_config(model_dir)
+        if config is None:
+            raise TargetError(f"{path}: not a loadable model ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+        extra["config"] = config
     # Check aux ids against the config before any weights are read.
     text = text_config_of(config)
     if aux_layers is not None:
@@ -343,10 +346,31 @@ def load_target(
         raise TargetError(f"{path}: no causal LM class for this config ({'; '.join(errors)})")
     model.to(device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError):
         tokenizer = None
     return Target(model, tokenizer, aux_layers=aux_layers, name=str(path))
+
+
+# Model types transformers does not register but whose weights are another architecture's (as vLLM maps them).
+_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def _aliased_config(model_dir: Path):
+    """Config of a model whose ``model_type`` is an alias (Kimi-K2 is a DeepSeek-V3), or None."""
+    import json as _json
+
+    from transformers import AutoConfig
+
+    cfg_file = Path(model_dir) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    raw = _json.loads(cfg_file.read_text())
+    real = _MODEL_TYPE_ALIASES.get(raw.get("model_type"))
+    if real is None:
+        return None
+    raw = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+    return AutoConfig.for_model(real, **raw)
 
 
 def _auto_classes():
