@@ -219,7 +219,7 @@ def tiny_deepseek_kwargs(vllm_cpu: bool = True) -> dict:
     always sigmoid + correction bias). ``vllm_cpu`` sets the MLA latent sizes vLLM's CPU kernels accept.
     """
     kw = dict(
-        num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
         q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -234,7 +234,7 @@ def tiny_deepseek_kwargs(vllm_cpu: bool = True) -> dict:
 
 
 def save_tiny_deepseek_target(path: str | Path, variant: str = "deepseek_v3", *, seed: int = 0, vllm_cpu: bool = True,
-                              router_bias_std: float = 0.05, **overrides) -> Path:
+                              router_bias_std: float = 0.05, train_steps: int = 0, **overrides) -> Path:
     """A tiny DeepSeek-V3-structured target saved as a local model directory with the DeepSeek-V3 tokenizer.
 
     ``variant``: ``deepseek_v3`` (``DeepseekV3ForCausalLM``); ``kimi_k2`` (the same model and weights for a
@@ -243,6 +243,10 @@ def save_tiny_deepseek_target(path: str | Path, variant: str = "deepseek_v3", *,
     ``text_config`` with ``model_type: kimi_k2``, a tiny vision tower, ``media_placeholder_token_id`` and no
     ``image_token_index``). The router's ``e_score_correction_bias`` is random (std ``router_bias_std``), not
     zero, so that expert selection depends on it as in the released checkpoints.
+
+    Random weights decode greedily into one repeated token after a few steps (nothing for a drafter to
+    learn); ``train_steps`` > 0 first fits the model for that many steps to ``tiny_chat_corpus``
+    conversations (about 0.25 s a step on one CPU thread), after which its greedy answers vary with the prompt.
     """
     import json
 
@@ -255,15 +259,14 @@ def save_tiny_deepseek_target(path: str | Path, variant: str = "deepseek_v3", *,
     kw.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
               pad_token_id=tok.pad_token_id)
     kw.update(overrides)
-    if variant == "kimi_k25_wrapper":
-        model = _build_tiny_kimi_k25(seed=seed, **kw)
-    else:
-        model = build_tiny_model("deepseek_v3", seed=seed, **kw)
+    model = build_tiny_model("kimi_k25_wrapper" if variant == "kimi_k25_wrapper" else "deepseek_v3", seed=seed, **kw)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, buf in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=g, dtype=torch.float32) * router_bias_std)
+    if train_steps > 0:
+        fit_tiny_chat_model(model, tok, train_steps, seed=seed)
     path = Path(path)
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -282,21 +285,70 @@ def save_tiny_deepseek_target(path: str | Path, variant: str = "deepseek_v3", *,
     return path
 
 
-def _build_tiny_kimi_k25(*, seed: int = 0, dtype: torch.dtype = torch.float32, head_scale: float = 24.0, **overrides):
-    """``build_tiny_model("kimi_k25_wrapper")`` with untied embeddings: ``Kimi_K25Config`` defaults to
-    ``tie_word_embeddings=True`` (transformers 5.2x) while the released Kimi-K2.5 unties them."""
-    import transformers
+def as_kimi_k2(src: str | Path, dst: str | Path) -> Path:
+    """A copy of a tiny DeepSeek-V3 target directory whose config.json says ``model_type: kimi_k2``, as
+    Kimi-K2's does (same weights, so a drafter made for one serves the other)."""
+    import json
 
-    config = tiny_config("kimi_k25_wrapper", **overrides)
-    config.tie_word_embeddings = False
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["model_type"] = "kimi_k2"
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return dst
+
+
+# --- a corpus a tiny model learns in a minute ------------------------------------------------------------
+def _chain_words() -> tuple[list[str], dict[str, list[str]]]:
+    import random
+
+    from draftsmith.tiny_tokenizer import _CORPUS
+
+    words = sorted({w.strip(".,!?;:()").lower() for s in _CORPUS for w in s.split()} - {""})
+    rng = random.Random(1234)  # the chain is fixed; conversations are sampled from it with a seed
+    return words, {w: rng.sample(words, 3) for w in words}
+
+
+def tiny_chat_corpus(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """``n`` conversations from a fixed word-level Markov chain: the user turn is 2-5 words, the answer
+    starts with the question's last word and follows the chain (successors weighted 0.6/0.3/0.1) for
+    10-20 words. Real branching, so a model fitted to it has a genuine next-token distribution."""
+    import random
+
+    words, succ = _chain_words()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        question = rng.sample(words, rng.randint(2, 5))
+        answer = [question[-1]]
+        for _ in range(rng.randint(10, 20) - 1):
+            answer.append(rng.choices(succ[answer[-1]], weights=[0.6, 0.3, 0.1])[0])
+        out.append([{"role": "user", "content": " ".join(question)},
+                    {"role": "assistant", "content": " ".join(answer) + "."}])
+    return out
+
+
+def fit_tiny_chat_model(model, tokenizer, steps: int, *, seed: int = 0, lr: float = 2e-3, batch_size: int = 16):
+    """Fit ``model`` (next-token loss on every token) to chat-templated ``tiny_chat_corpus`` conversations."""
+    convs = tiny_chat_corpus(batch_size * steps, seed=10_000 + seed)
+    seqs = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]
+            for c in convs]
     torch.manual_seed(seed)
-    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
-    head = model.get_output_embeddings()
-    if head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr():  # wrappers tie by default
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())
-        for cfg in (model.config, getattr(model.config, "text_config", None)):
-            if cfg is not None:
-                cfg.tie_word_embeddings = False
-    with torch.no_grad():
-        head.weight.mul_(head_scale)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    pad = tokenizer.pad_token_id or 0
+    model.train()
+    for step in range(steps):
+        batch = seqs[step * batch_size:(step + 1) * batch_size]
+        width = max(map(len, batch))
+        ids = torch.full((len(batch), width), pad)
+        labels = torch.full((len(batch), width), -100)
+        for i, s in enumerate(batch):
+            ids[i, :len(s)] = torch.tensor(s)
+            labels[i, :len(s)] = torch.tensor(s)
+        loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
     return model.eval()
