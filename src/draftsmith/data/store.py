@@ -21,7 +21,7 @@ Bytes per token, for ``n`` aux layers (3 for EAGLE-3) and hidden size ``H``
 (``input_ids`` are stored as int32, ``loss_mask`` as uint8)::
 
     bf16: 5 + (n + 1) * H * 2          H=4096, n=3 -> 32,773 B  (~32 KiB)
-    fp8:  5 + (n + 1) * (H + 4)        H=4096, n=3 -> 16,405 B  (~16 KiB)
+    fp8:  5 + (n + 1) * (H + 2)        H=4096, n=3 -> 16,397 B  (~16 KiB)
 
 plus the safetensors header (a few hundred bytes per sample). See ``estimate_bytes_per_token``.
 One writer per store at a time (enforced with an advisory lock where ``fcntl`` exists).
@@ -97,7 +97,7 @@ def estimate_bytes_per_token(hidden_size: int, num_aux: int = 3, dtype: StoreDty
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     rows = num_aux + 1  # aux rows + the final hidden state
-    per_row = hidden_size * 2 if dtype == "bf16" else hidden_size + 4  # fp8 payload + float32 scale
+    per_row = hidden_size * 2 if dtype == "bf16" else hidden_size + 2  # fp8 payload + bf16 scale
     return 4 + 1 + rows * per_row
 
 
@@ -193,16 +193,20 @@ def _shard_index(name: str) -> int | None:
 
 
 def _quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (last dim) scaled float8_e4m3fn; the scale is amax/448 so each row uses the full range."""
+    """Per-row (last dim) scaled float8_e4m3fn; the scale is ~amax/448 so each row uses the full range.
+
+    The scale is kept in bf16 (float32's range, 2 bytes): nudged up by one bf16 rounding step before
+    rounding so that amax / scale never exceeds 448. Stores written with float32 scales read the same way.
+    """
     x32 = x.float()
     amax = x32.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = (amax / FP8_MAX * (1 + 2**-7)).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+    q = (x32 / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.squeeze(-1).contiguous()
 
 
 def _dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale.unsqueeze(-1)).to(out_dtype)
+    return (q.float() * scale.float().unsqueeze(-1)).to(out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------
