@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 
 from draftsmith import __version__
 from draftsmith import vocab as vocab_mod
+from draftsmith.data.store import atomic_write
 from draftsmith.drafter import WEIGHTS_FILE, DrafterConfig, Eagle3Drafter
 
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
@@ -390,22 +390,9 @@ def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: di
                           "Use an empty directory")
     if not overwrite and any((out / n).exists() for n in ours):
         raise ExportError(f"{out}: already holds a checkpoint; pass overwrite=True (--force) to replace it")
-    _atomic_write(out / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
-    _atomic_write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    _atomic_write(out / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(out / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
+    atomic_write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    atomic_write(out / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
 def target_embeddings(target: str | Path, dtype: torch.dtype | None = None) -> torch.Tensor:

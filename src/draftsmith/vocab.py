@@ -111,7 +111,6 @@ def save_vocab(path, vocab: DraftVocab, counts: torch.Tensor, metadata: dict[str
     The coverage recorded is the share of counted tokens the draft vocabulary keeps; a reader sees the
     old file or the new one, never half of one (temp file, fsync, rename).
     """
-    import os
     from pathlib import Path
 
     from safetensors.torch import save as st_save
@@ -135,18 +134,11 @@ def save_vocab(path, vocab: DraftVocab, counts: torch.Tensor, metadata: dict[str
          "counts": counts.cpu().contiguous()},
         metadata=meta,
     )
+    from draftsmith.data.store import atomic_write
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, data)
 
 
 def load_vocab_file(path, vocab_size: int | None = None) -> tuple[DraftVocab, torch.Tensor | None, dict[str, str]]:

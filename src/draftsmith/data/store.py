@@ -133,7 +133,7 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     """temp file + fsync + os.replace + directory fsync: readers see the old or the new file, never half."""
     tmp = _tmp_name(path)
     try:
@@ -356,7 +356,7 @@ class FeatureStoreWriter:
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
         data = json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode("utf-8")
-        _atomic_write(self.root / MANIFEST_NAME, data)
+        atomic_write(self.root / MANIFEST_NAME, data)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -537,7 +537,7 @@ class FeatureStoreWriter:
             "total_loss_tokens": old["total_loss_tokens"] + sum(r["loss_tokens"] for r in records),
         }
         try:
-            _atomic_write(self.root / name, data)  # the shard is durable before anything points at it
+            atomic_write(self.root / name, data)  # the shard is durable before anything points at it
             self._write_manifest(new)
         except OSError as e:
             raise StoreWriteError(
