@@ -118,6 +118,17 @@ def test_unknown_config_key_names_closest(tmp_path):
     assert load_config(tmp_path / "t.yaml", {"lr": 0.01}).lr == 0.01
     with pytest.raises(TrainError, match="exactly one data source"):
         load_config(None, {"lr": 1.0})
+    with pytest.raises(TrainError, match="autocast must be auto, bf16 or off, not 'fp16'"):
+        load_config(None, {"store": "s", "autocast": "fp16"})
+
+
+def test_autocast_setting():
+    from draftsmith.target import bf16_native
+    from draftsmith.train import use_autocast
+
+    cpu = torch.device("cpu")
+    assert use_autocast("bf16", cpu) and not use_autocast("off", cpu)
+    assert use_autocast("auto", cpu) == bf16_native(cpu)  # on where the CPU has AMX tiles
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(workspace, tmp_path, monkeypatch):

@@ -42,7 +42,8 @@ class TrainConfig:
     max_length: int = 2048
     seed: int = 0
     device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # target dtype in online mode; auto: float32 on CPU, bfloat16 on CUDA
+    autocast: str = "auto"  # bf16 matmuls over fp32 master weights; auto: on for CUDA and for CPUs with AMX
     force: bool = False  # train on a store made for another target anyway
     resume: bool = False
     stop_at_step: int = 0  # stop (with a checkpoint) after this step: for interruptions and tests
@@ -82,6 +83,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     cfg = TrainConfig(**values)
     if (cfg.store is None) == (cfg.conversations is None):
         raise TrainError("give exactly one data source: store (offline) or conversations (online)")
+    if cfg.autocast not in ("auto", "bf16", "off"):
+        raise TrainError(f"autocast must be auto, bf16 or off, not {cfg.autocast!r}")
     if cfg.ttt_steps < 1 or cfg.batch_tokens < 2 or cfg.grad_accum < 1:
         raise TrainError("ttt_steps, grad_accum must be >= 1 and batch_tokens >= 2")
     return cfg
