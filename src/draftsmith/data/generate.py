@@ -836,10 +836,18 @@ def _self_prompt_jobs(backend: _Backend, cfg: GenerateConfig, pending: list[int]
         reasons: dict[int, str] = {}
         tries: Counter = Counter()
         while todo:
+            # Fill the batch: an index that keeps failing gets several attempts (its next seeds) in one round,
+            # so late rounds are not near-empty batches that cost a full generation each. The lowest accepted
+            # attempt wins, so the result does not depend on how attempts were grouped into rounds.
             order = sorted(todo)
-            seeds = [_derive_seed(cfg.seed, f"self/{i}/{todo[i]}") for i in order]
+            slots = [(i, todo[i] + j) for j in range(cfg.question_attempts) for i in order
+                     if todo[i] + j < cfg.question_attempts][:max(chunk_size, len(order))]
+            slots.sort()
+            seeds = [_derive_seed(cfg.seed, f"self/{i}/{attempt}") for i, attempt in slots]
             results = backend.write_questions(prefix, seeds, sampling, stops)
-            for i, res in zip(order, results, strict=True):
+            for (i, attempt), res in zip(slots, results, strict=True):
+                if i not in todo or attempt < todo[i]:
+                    continue  # an earlier attempt of this index was accepted or failed out this round
                 if isinstance(res, Exception):
                     reason = f"question: {res}"
                 else:
@@ -858,7 +866,7 @@ def _self_prompt_jobs(backend: _Backend, cfg: GenerateConfig, pending: list[int]
                         continue
                 reasons[i] = reason
                 tries[i] += 1
-                todo[i] += 1
+                todo[i] = attempt + 1
                 if todo[i] >= cfg.question_attempts or (isinstance(res, ServerError) and res.status):
                     del todo[i]
         for i in sorted(set(pending[start:start + chunk_size])):
