@@ -54,6 +54,15 @@ def test_tiny_demo_pipeline(tmp_path):
     chain = report["results"][0]["methods"][f"eagle3 chain k={preset.chain}"]
     assert (chain["accepted"], chain["verify_passes"]) == (accepted, passes)
     assert chain["acceptance_length"] == 1 + accepted / passes
+    # In float32 speculative output equals plain greedy decoding for every prompt, and bench says so.
+    assert report["dtype"] == "float32"
+    for name, m in report["results"][0]["methods"].items():
+        if name != "plain":
+            assert m["identical_to_plain"] == f"{preset.bench_limit}/{preset.bench_limit}", name
+            assert m["diverged_at_tie"] == 0
+            per_round = (m["verify_time"] + m["draft_time"]) / m["verify_passes"]
+            plain = report["results"][0]["methods"]["plain"]
+            assert abs(m["speedup_bound"] - m["acceptance_length"] * plain["step_time"] / per_round) < 1e-9
 
     # Rerunning resumes: nothing is generated, captured or trained again.
     again = run_demo("tiny", work, progress=False)

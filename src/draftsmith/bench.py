@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import math
 import platform
 import sys
 from collections.abc import Sequence
@@ -84,10 +85,17 @@ class MethodStats:
     verify_time: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
     requests: int = 0
+    prefill_time: float = 0.0
+    decode_steps: int = 0  # target passes after prefill (plain: one per token; speculative: verify passes)
+    identical: int = 0  # requests whose tokens equal plain decoding's (greedy only; see run_bench)
+    compared: int = 0
+    ties: int = 0  # of the others: first difference where the target's top-2 logits are a rounding tie
 
     def add(self, r: DecodeResult, max_draft: int) -> None:
         self.tokens += len(r.token_ids)
         self.seconds += r.total_time
+        self.prefill_time += r.prefill_time
+        self.decode_steps += max(0, r.target_forward_passes - 1)
         self.verify_passes += len(r.accepted_per_step)
         self.accepted += sum(r.accepted_per_step)
         self.draft_time += r.draft_time
@@ -106,13 +114,32 @@ class MethodStats:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    @property
+    def overhead_time(self) -> float:
+        """Wall time outside prefill, drafting and target passes: Python, sampling, bookkeeping."""
+        return max(0.0, self.seconds - self.prefill_time - self.draft_time - self.verify_time)
+
     def to_dict(self) -> dict:
         passes = max(1, self.verify_passes)
-        return {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
-                "acceptance_length": self.acceptance_length, "verify_passes": self.verify_passes,
-                "accepted": self.accepted, "draft_time": self.draft_time, "verify_time": self.verify_time,
-                "acceptance_per_position": [a / passes for a in self.accepted_per_position],
-                "requests": self.requests}
+        d = {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
+             "acceptance_length": self.acceptance_length, "verify_passes": self.verify_passes,
+             "accepted": self.accepted, "prefill_time": self.prefill_time, "draft_time": self.draft_time,
+             "verify_time": self.verify_time, "overhead_time": self.overhead_time,
+             "step_time": self.verify_time / max(1, self.decode_steps),
+             "acceptance_per_position": [a / passes for a in self.accepted_per_position],
+             "requests": self.requests}
+        if self.compared:
+            d["identical_to_plain"] = f"{self.identical}/{self.compared}"
+            d["diverged_at_tie"] = self.ties
+        return d
+
+
+def speedup_bound(method: dict, plain: dict) -> float | None:
+    """tau * t_plain_step / (t_verify + t_draft) per round: what this method could reach with no other costs."""
+    if not method["verify_passes"] or not plain["step_time"]:
+        return None
+    per_round = (method["verify_time"] + method["draft_time"]) / method["verify_passes"]
+    return method["acceptance_length"] * plain["step_time"] / per_round if per_round else None
 
 
 def spec_name(spec) -> str:
@@ -142,7 +169,8 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
     warm = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     for d in decoders.values():
         d.generate(tok(warm, add_special_tokens=False)["input_ids"], 4, eos_token_ids=stops)
-    report = {"target": target.name, "machine": machine_info(), "max_new_tokens": max_new_tokens, "results": []}
+    report = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "machine": machine_info(),
+              "max_new_tokens": max_new_tokens, "results": []}
     for dataset in datasets:
         prompts = load_prompts(dataset, limit, turns)
         for temperature in temperatures:
@@ -151,7 +179,8 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
             bar = _bar(progress, len(prompts), f"{dataset} T={temperature}")
             for i, prompt in enumerate(prompts):
                 histories = {name: [] for name, _ in methods}
-                for user in prompt.turns:
+                for turn, user in enumerate(prompt.turns):
+                    plain_ids = None
                     for name, spec in methods:
                         msgs = histories[name] + [{"role": "user", "content": user}]
                         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -159,6 +188,16 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
                         gen = torch.Generator(device=target.device).manual_seed(seed + i)
                         r = decoders[name].generate(ids, max_new_tokens, sampling, eos_token_ids=stops, generator=gen)
                         stats[name].add(r, spec.max_draft_tokens if spec is not None else 0)
+                        if spec is None:
+                            plain_ids = r.token_ids
+                        elif sampling.greedy and turn == 0:
+                            # Greedy output must equal plain decoding's; in fp32 it does token for token. In bf16
+                            # a k-token verify pass rounds differently from 1-token steps, so near-ties can flip.
+                            stats[name].compared += 1
+                            if r.token_ids == plain_ids:
+                                stats[name].identical += 1
+                            else:
+                                stats[name].ties += diverged_at_tie(target, ids, plain_ids, r.token_ids)
                         answer = tok.decode(r.token_ids, skip_special_tokens=True)
                         histories[name] = msgs + [{"role": "assistant", "content": answer}]
                 if bar is not None:
@@ -170,12 +209,31 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
             if bar is not None:
                 bar.close()
             plain = stats["plain"].tokens_per_second
-            report["results"].append({
-                "dataset": dataset, "temperature": temperature, "prompts": len(prompts),
-                "methods": {name: {**s.to_dict(), "speedup": s.tokens_per_second / plain if plain else 0.0}
-                            for name, s in stats.items()},
-            })
+            rows = {name: {**s.to_dict(), "speedup": s.tokens_per_second / plain if plain else 0.0}
+                    for name, s in stats.items()}
+            for row in rows.values():
+                row["speedup_bound"] = speedup_bound(row, rows["plain"])
+            report["results"].append({"dataset": dataset, "temperature": temperature, "prompts": len(prompts),
+                                      "methods": rows})
     return report
+
+
+def diverged_at_tie(target, prompt_ids: list[int], plain_ids: list[int], other_ids: list[int]) -> bool:
+    """Whether two greedy outputs part where the target's two candidates are within rounding of each other.
+
+    One full forward over the common prefix; a tie means the logits of both tokens differ by at most two
+    units in the last place of the target's dtype, so either is a correct greedy choice at that precision.
+    """
+    j = next((i for i, (a, b) in enumerate(zip(plain_ids, other_ids, strict=False)) if a != b), None)
+    if j is None:  # one is a prefix of the other: a stop token was emitted in one only, not a tie
+        return False
+    with torch.inference_mode():
+        ids = torch.tensor([list(prompt_ids) + plain_ids[:j]], device=target.device)
+        logits = target(ids, cache=target.new_cache(), logits_to_keep=1).logits[0, -1].float()
+    a, b = float(logits[plain_ids[j]]), float(logits[other_ids[j]])
+    top = max(abs(a), abs(b), 1e-6)
+    ulp = 2.0 ** math.floor(math.log2(top)) * torch.finfo(target.dtype).eps
+    return abs(a - b) <= 2 * ulp
 
 
 def machine_info() -> dict:
@@ -203,16 +261,32 @@ def _bar(enabled: bool, total: int, desc: str):
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'dataset':<12}{'T':>4}  {'method':<26}{'tau':>6}{'tok/s':>8}{'speedup':>9}  acceptance per position"]
+    """One row per method; 'bound' is tau * t_step / (t_verify + t_draft) and the time split says where it goes."""
+    lines = [f"{'dataset':<12}{'T':>4}  {'method':<24}{'tau':>6}{'tok/s':>7}{'speedup':>8}{'bound':>7}"
+             f"  {'draft/verify/prefill/other':<27}{'same (tie)':>10}  acceptance per position"]
     for res in report["results"]:
         for name, m in res["methods"].items():
             per = " ".join(f"{a:.2f}" for a in m["acceptance_per_position"])
-            lines.append(f"{res['dataset']:<12}{res['temperature']:>4.1f}  {name:<26}{m['acceptance_length']:>6.2f}"
-                         f"{m['tokens_per_second']:>8.1f}{m['speedup']:>8.2f}x  {per}")
+            bound = f"{m['speedup_bound']:.2f}x" if m.get("speedup_bound") else "-"
+            total = max(m["seconds"], 1e-9)
+            split = "/".join(f"{100 * m.get(k, 0.0) / total:.0f}" for k in
+                             ("draft_time", "verify_time", "prefill_time", "overhead_time")) + " %"
+            lines.append(f"{res['dataset']:<12}{res['temperature']:>4.1f}  {name:<24}{m['acceptance_length']:>6.2f}"
+                         f"{m['tokens_per_second']:>7.1f}{m['speedup']:>7.2f}x{bound:>7}  {split:<27}"
+                         f"{_same(m):>10}  {per}")
     info = report["machine"]
-    lines.append(f"machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
-                 f"torch {info['torch']}; max_new_tokens={report['max_new_tokens']}")
+    lines.append(f"target {report['target']} ({report.get('dtype', '?')}); machine: {info['cpu']}, {info['cores']} "
+                 f"cores, {info['torch_threads']} torch threads, torch {info['torch']}; "
+                 f"max_new_tokens={report['max_new_tokens']}")
+    lines.append("same: greedy first-turn outputs equal to plain decoding's; (tie): of the others, how many first "
+                 "differ where the target's two candidate logits are within 2 ulp (a rounding tie in its dtype)")
     return "\n".join(lines)
+
+
+def _same(m: dict) -> str:
+    if "identical_to_plain" not in m:
+        return "-"
+    return f"{m['identical_to_plain']} ({m['diverged_at_tie']})"
 
 
 def plot_report(report: dict, path: Path) -> Path | None:
@@ -275,14 +349,21 @@ README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 def markdown_table(report: dict, command: str | None = None) -> str:
     """The report as a Markdown table, with the machine and the command that produced it."""
     info = report["machine"]
-    rows = ["| dataset | T | method | acceptance length | tok/s | speedup |", "|---|---|---|---|---|---|"]
+    rows = ["| dataset | T | method | acceptance length | tok/s | speedup | bound | same as plain (tie) |",
+            "|---|---|---|---|---|---|---|---|"]
     for res in report["results"]:
         for name, m in res["methods"].items():
+            bound = f"{m['speedup_bound']:.2f}x" if m.get("speedup_bound") else "-"
             rows.append(f"| {res['dataset']} ({res['prompts']} prompts) | {res['temperature']:g} | {name} | "
-                        f"{m['acceptance_length']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x |")
+                        f"{m['acceptance_length']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x | "
+                        f"{bound} | {_same(m)} |")
     rows.append("")
-    rows.append(f"Target `{report['target']}`, max {report['max_new_tokens']} new tokens; machine: {info['cpu']}, "
-                f"{info['cores']} cores, {info['torch_threads']} torch threads, torch {info['torch']}.")
+    rows.append(f"Target `{report['target']}` ({report.get('dtype', '?')}), max {report['max_new_tokens']} new tokens; "
+                f"machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
+                f"torch {info['torch']}. Bound: tau x plain step time / (verify + draft time per round). "
+                f"Same as plain: greedy outputs identical to plain decoding's; (tie): of the others, those whose "
+                f"first difference is a rounding tie of the target's top two logits "
+                f"(within 2 ulp in {report.get('dtype', '?')}).")
     if command:
         rows.append(f"Produced by `{command}`.")
     return "\n".join(rows)

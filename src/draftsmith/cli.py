@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", required=True, help="EAGLE-3 drafter directory")
     p.add_argument("--datasets", default="mt-bench", help="comma-separated: mt-bench, humaneval, or JSONL paths")
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
-    b = p.add_mutually_exclusive_group()
-    b.add_argument("--chain", type=int, default=None, metavar="K", help="chain of K draft tokens (default 3)")
-    b.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="EAGLE-2 dynamic tree")
+    p.add_argument("--chain", type=int, default=None, metavar="K",
+                   help="chain of K draft tokens (default 3 when --tree is not given)")
+    p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
+                   help="EAGLE-2 dynamic tree; with --chain too, both are measured in the same run")
     p.add_argument("--prompt-lookup", type=int, default=3, metavar="K",
                    help="also measure n-gram prompt lookup with K tokens (0: skip)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
@@ -140,11 +141,13 @@ def _bench(args) -> int:
         temperatures = [float(t) for t in args.temperature.split(",")]
     except ValueError as e:
         raise UsageError(f"--temperature wants comma-separated numbers, got {args.temperature!r}") from e
-    spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain or 3)
+    specs = [ChainSpec(args.chain or 3)] if args.chain or not args.tree else []
+    if args.tree:
+        specs.append(TreeSpec.parse(args.tree))
     dtype = getattr(torch, args.dtype) if args.dtype else None
     target = load_target(args.target, device=args.device, dtype=dtype, aux_layers=_parse_ints(args.aux_layers))
     drafter = load_drafter(args.drafter, target)
-    report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], [spec], temperatures,
+    report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], specs, temperatures,
                        limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        prompt_lookup_k=args.prompt_lookup or None, progress=args.progress)
     paths = write_report(report, args.out)
