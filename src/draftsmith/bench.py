@@ -187,7 +187,10 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
                         ids = tok(text, add_special_tokens=False)["input_ids"]
                         gen = torch.Generator(device=target.device).manual_seed(seed + i)
                         r = decoders[name].generate(ids, max_new_tokens, sampling, eos_token_ids=stops, generator=gen)
-                        stats[name].add(r, spec.max_draft_tokens if spec is not None else 0)
+                        # A tree accepts at most one path: positions run to its depth, not its node count.
+                        positions = 0 if spec is None else spec.depth if isinstance(spec, TreeSpec) \
+                            else spec.max_draft_tokens
+                        stats[name].add(r, positions)
                         if spec is None:
                             plain_ids = r.token_ids
                         elif sampling.greedy and turn == 0:

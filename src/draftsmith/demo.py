@@ -33,18 +33,22 @@ class Preset:
     bench_limit: int
     bench_tokens: int
     chain: int
-    tree: tuple[int, int, int]
+    tree: tuple[int, int, int] | None  # None: bench the chain only
+    # The target's compute dtype for every stage; bench compares plain and EAGLE-3 in it. auto: bfloat16 where
+    # bf16 is native (AMX CPUs, CUDA), float32 elsewhere.
+    dtype: str = "auto"
 
 
 PRESETS = {
     # Seconds, for tests: a random tiny target, a handful of conversations.
-    "tiny": Preset("tiny", 12, 40, 16, 6, 300, 40, 3, 1024, 3e-3, ("mt-bench",), 2, 24, 3, (3, 2, 6)),
-    # The README's `make demo`: about 20 minutes on 2 CPU cores.
-    # Data generation dominates on CPU (~30-60 tok/s batched); the drafter's cost is mostly its lm_head, so the
-    # draft vocabulary is kept to what this much data covers (4096 covers all of it for SmolLM2 answers).
-    "default": Preset("smollm2", 96, 160, 48, 24, 4096, 200, 3, 1024, 2e-3, ("mt-bench",), 8, 96, 3, (4, 4, 16)),
-    # Longer training and more data for the best numbers (an hour or more on CPU).
-    "full": Preset("smollm2", 800, 256, 48, 16, 16384, 3000, 5, 2048, 5e-4, ("mt-bench", "humaneval"), 40, 128, 5,
+    "tiny": Preset("tiny", 12, 40, 16, 6, 300, 40, 3, 1024, 3e-3, ("mt-bench",), 2, 24, 3, (3, 2, 6), "float32"),
+    # The README's `make demo`: under 20 minutes on 2 CPU cores (measured: see the README). Budget: generation
+    # ~8 min (bf16 batched, ~170 answer tok/s), capture ~1, training ~5 (bf16 autocast, ~1,300 tok/s), bench ~4.
+    # Answers are long because SmolLM2's greedy answers settle into patterns a drafter learns to follow; the bench
+    # decodes as far. The draft vocabulary covers ~99% of what this much data uses.
+    "default": Preset("smollm2", 400, 224, 64, 32, 4096, 340, 3, 1024, 2e-3, ("mt-bench",), 8, 192, 3, None),
+    # More data, longer training, and the tree (hours on 2 CPU cores; minutes on a GPU).
+    "full": Preset("smollm2", 2400, 256, 64, 32, 8192, 3000, 5, 2048, 1e-3, ("mt-bench", "humaneval"), 40, 256, 5,
                    (6, 8, 48)),
 }
 
@@ -65,7 +69,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     from draftsmith.decode import ChainSpec, TreeSpec
     from draftsmith.drafter import load_drafter
     from draftsmith.export import export_drafter
-    from draftsmith.target import load_target
+    from draftsmith.target import bf16_native, load_target
     from draftsmith.train import load_config, train
 
     if preset not in PRESETS:
@@ -84,7 +88,8 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         if not (work / "target" / "config.json").is_file():
             save_tiny_target(target_path)
     t = _stage(f"load target {target_path}")
-    tgt = load_target(target_path)
+    dtype = getattr(torch, p.dtype) if p.dtype != "auto" else (torch.bfloat16 if bf16_native("cpu") else torch.float32)
+    tgt = load_target(target_path, dtype=dtype)
     times["load"] = time.perf_counter() - t
 
     t = _stage(f"1/5 generate: {p.conversations} self-prompted conversations")
@@ -122,7 +127,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
 
     t = _stage(f"5/5 bench on {', '.join(p.bench_datasets)} ({p.bench_limit} prompts, first turn)")
     drafter = load_drafter(run_dir / "best", tgt)
-    specs = [ChainSpec(p.chain), TreeSpec(*p.tree)]
+    specs = [ChainSpec(p.chain)] + ([TreeSpec(*p.tree)] if p.tree else [])
     report = run_bench(tgt, drafter, p.bench_datasets, specs, limit=p.bench_limit, turns=1,
                        max_new_tokens=p.bench_tokens, progress=progress)
     paths = write_report(report, work / "bench")

@@ -1,0 +1,119 @@
+"""Where a speculative round's time goes: instrumented plain and EAGLE-3 decoding of the same prompts.
+
+Splits wall time into target passes (prefill, 1-token steps, k-token verify passes), drafter steps (its layer and
+its lm_head), KV-cache bookkeeping and the rest (Python), and prints the physical bound
+tau * t_plain_step / (t_verify + t_draft) next to the measured speedup.
+
+Run: python bench/profile_decode.py --drafter runs/demo/run/best [--dtype bfloat16] [--chain 3] [--prompts 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from draftsmith.bench import load_prompts
+from draftsmith.cli import encode_prompt, stop_token_ids
+from draftsmith.decode import ChainSpec, SpeculativeDecoder, TreeSpec
+from draftsmith.drafter import load_drafter
+from draftsmith.target import load_target
+
+
+def _wrap(module: torch.nn.Module, label: str, clock: dict[str, float]) -> None:
+    """Add the wall time of every call of a module to clock[label] (CPU: calls are synchronous).
+
+    A timer per module call, not torch.profiler: a trace of every aten op over a few hundred decoding steps
+    takes minutes to aggregate and perturbs what it measures more than a perf_counter pair per call."""
+    forward = module.forward
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            clock[label] += time.perf_counter() - t
+
+    module.forward = timed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--chain", type=int, default=3)
+    ap.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="profile a tree instead of a chain")
+    ap.add_argument("--prompts", type=int, default=4, help="first N MT-bench questions (first turn)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    target = load_target(args.target, dtype=getattr(torch, args.dtype))
+    drafter = load_drafter(args.drafter, target)
+    tok = target.tokenizer
+    stops = stop_token_ids(tok)
+    prompts = [encode_prompt(tok, p.turns[0], chat=True) for p in load_prompts("mt-bench", args.prompts, 1)]
+    spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain)
+    plain, spec_dec = SpeculativeDecoder(target, None, None), SpeculativeDecoder(target, drafter, spec)
+    clock: dict[str, float] = defaultdict(float)
+    _wrap(target.model, "target", clock)
+    _wrap(drafter.lm_head, "drafter.lm_head", clock)
+    _wrap(drafter.layers[0], "drafter.layer", clock)
+    _wrap(drafter.fc, "drafter.fc", clock)
+    for d in (plain, spec_dec):  # warm-up
+        d.generate(prompts[0], 8, eos_token_ids=stops)
+
+    report = {}
+    for name, dec in (("plain", plain), ("speculative", spec_dec)):
+        clock.clear()
+        results, t0 = [], time.perf_counter()
+        for p in prompts:
+            results.append(dec.generate(p, args.max_new_tokens, eos_token_ids=stops))
+        wall = time.perf_counter() - t0
+        self_time = dict(clock)
+        for key in ("target", "drafter.lm_head", "drafter.layer", "drafter.fc"):
+            self_time.setdefault(key, 0.0)
+        tokens = sum(len(r.token_ids) for r in results)
+        passes = sum(len(r.accepted_per_step) for r in results)
+        row = {
+            "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "target_s": self_time["target"], "drafter_layer_s": self_time["drafter.layer"],
+            "drafter_lm_head_s": self_time["drafter.lm_head"], "drafter_fc_s": self_time["drafter.fc"],
+            "prefill_s": sum(r.prefill_time for r in results), "draft_s": sum(r.draft_time for r in results),
+            "verify_s": sum(r.verify_time for r in results),
+            "acceptance_length": 1 + sum(sum(r.accepted_per_step) for r in results) / passes if passes else 1.0,
+            "steps": passes or sum(r.target_forward_passes - 1 for r in results),
+        }
+        row["other_s"] = row["wall_s"] - row["prefill_s"] - row["draft_s"] - row["verify_s"]
+        report[name] = row
+    p, s = report["plain"], report["speculative"]
+    t_step = p["verify_s"] / max(1, p["steps"])
+    t_verify, t_draft = s["verify_s"] / max(1, s["steps"]), s["draft_s"] / max(1, s["steps"])
+    bound = s["acceptance_length"] * t_step / (t_verify + t_draft)
+    report["summary"] = {"t_plain_step_ms": 1e3 * t_step, "t_verify_ms": 1e3 * t_verify,
+                         "t_draft_round_ms": 1e3 * t_draft, "acceptance_length": s["acceptance_length"],
+                         "speedup": s["tokens_per_s"] / p["tokens_per_s"], "bound": bound}
+    print(f"{'':12}{'wall s':>8}{'tok/s':>7}{'target':>8}{'d.layer':>8}{'d.head':>8}{'d.fc':>7}{'prefill':>8}"
+          f"{'draft':>7}{'verify':>7}{'other':>7}")
+    for name in ("plain", "speculative"):
+        r = report[name]
+        print(f"{name:<12}{r['wall_s']:>8.2f}{r['tokens_per_s']:>7.1f}{r['target_s']:>8.2f}{r['drafter_layer_s']:>8.2f}"
+              f"{r['drafter_lm_head_s']:>8.2f}{r['drafter_fc_s']:>7.2f}{r['prefill_s']:>8.2f}{r['draft_s']:>7.2f}"
+              f"{r['verify_s']:>7.2f}{r['other_s']:>7.2f}")
+    m = report["summary"]
+    print(f"plain step {m['t_plain_step_ms']:.1f} ms; per round: verify {m['t_verify_ms']:.1f} ms "
+          f"({m['t_verify_ms'] / m['t_plain_step_ms']:.2f}x a step), draft {m['t_draft_round_ms']:.1f} ms; "
+          f"tau {m['acceptance_length']:.2f}; speedup {m['speedup']:.2f}x of bound {m['bound']:.2f}x "
+          f"({100 * m['speedup'] / m['bound']:.0f}%)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
