@@ -247,8 +247,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     loss, s = ttt_forward(drafter, batch, teacher(batch), cfg.ttt_steps, cfg.step_decay)
                 if not torch.isfinite(loss):
-                    raise TrainError(f"loss is {float(loss)} at step {state['step'] + 1}: stopped; the last good "
-                                     f"checkpoint is in {out / 'checkpoints'} (try a lower lr)")
+                    raise TrainError(f"loss is {float(loss.detach())} at step {state['step'] + 1}: stopped; the last "
+                                     f"good checkpoint is in {out / 'checkpoints'} (try a lower lr)")
                 (loss / cfg.grad_accum).backward()
                 stats.add(s)
                 tokens_seen += batch.num_tokens
