@@ -235,20 +235,12 @@ def simulated_on_store(args, drafter_dir: Path, store: str) -> float | None:
 
 
 def measure(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> dict:
-    from draftsmith.cli import stop_token_ids
+    from draftsmith.bench import decode_prompts
     from draftsmith.decode import ChainSpec, SpeculativeDecoder
 
-    decoder = SpeculativeDecoder(target, drafter, ChainSpec(k))
-    stops = stop_token_ids(target.tokenizer)
-    accepted = passes = tokens = 0
-    t = time.perf_counter()
-    for p in prompts:
-        r = decoder.generate(p, max_new_tokens, eos_token_ids=stops)
-        accepted += sum(r.accepted_per_step)
-        passes += len(r.accepted_per_step)
-        tokens += len(r.token_ids)
-    return {"tau": 1 + accepted / max(passes, 1), "prompts": len(prompts), "tokens": tokens, "verify_passes": passes,
-            "accepted": accepted, "seconds": time.perf_counter() - t}
+    m, _ = decode_prompts(SpeculativeDecoder(target, drafter, ChainSpec(k)), prompts, max_new_tokens)
+    return {"tau": m.acceptance_length, "prompts": len(prompts), "tokens": m.tokens, "verify_passes": m.verify_passes,
+            "accepted": m.accepted, "seconds": m.seconds}
 
 
 # --- summary --------------------------------------------------------------------------------------------

@@ -174,23 +174,14 @@ def held_out_prompts(tokenizer, conversations: Path, eval_ids: set[str]) -> list
 
 
 def measure_tau(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> dict:
-    from draftsmith.cli import stop_token_ids
+    from draftsmith.bench import decode_prompts
     from draftsmith.decode import ChainSpec, SpeculativeDecoder
 
-    decoder = SpeculativeDecoder(target, drafter, ChainSpec(k))
-    stops = stop_token_ids(target.tokenizer)
-    accepted = passes = tokens = 0
-    per_prompt = []
-    t = time.perf_counter()
-    for p in prompts:
-        r = decoder.generate(p, max_new_tokens, eos_token_ids=stops)
-        accepted += sum(r.accepted_per_step)
-        passes += len(r.accepted_per_step)
-        tokens += len(r.token_ids)
-        per_prompt.append(r.acceptance_length)
-    return {"prompts": len(prompts), "tokens": tokens, "verify_passes": passes, "accepted": accepted,
-            "tau": 1 + accepted / max(passes, 1), "tau_per_prompt_median": statistics.median(per_prompt),
-            "seconds": time.perf_counter() - t}
+    m, results = decode_prompts(SpeculativeDecoder(target, drafter, ChainSpec(k)), prompts, max_new_tokens)
+    return {"prompts": len(prompts), "tokens": m.tokens, "verify_passes": m.verify_passes, "accepted": m.accepted,
+            "tau": m.acceptance_length,
+            "tau_per_prompt_median": statistics.median(r.acceptance_length for r in results),
+            "seconds": m.seconds}
 
 
 def stage_quality(args, store: Path, conversations: Path, work: Path) -> dict:

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from draftsmith.bench import load_prompts
+from draftsmith.bench import decode_prompts, load_prompts, speedup_bound
 from draftsmith.cli import encode_prompt, stop_token_ids
 from draftsmith.decode import ChainSpec, SpeculativeDecoder, TreeSpec
 from draftsmith.drafter import load_drafter
@@ -70,40 +70,24 @@ def main() -> int:
     report = {}
     for name, dec in (("plain", plain), ("speculative", spec_dec)):
         clock.clear()
-        results, t0 = [], time.perf_counter()
-        for p in prompts:
-            results.append(dec.generate(p, args.max_new_tokens, eos_token_ids=stops))
-        wall = time.perf_counter() - t0
-        self_time = dict(clock)
-        for key in ("target", "drafter.lm_head", "drafter.layer", "drafter.fc"):
-            self_time.setdefault(key, 0.0)
-        tokens = sum(len(r.token_ids) for r in results)
-        passes = sum(len(r.accepted_per_step) for r in results)
-        row = {
-            "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "target_s": self_time["target"], "drafter_layer_s": self_time["drafter.layer"],
-            "drafter_lm_head_s": self_time["drafter.lm_head"], "drafter_fc_s": self_time["drafter.fc"],
-            "prefill_s": sum(r.prefill_time for r in results), "draft_s": sum(r.draft_time for r in results),
-            "verify_s": sum(r.verify_time for r in results),
-            "acceptance_length": 1 + sum(sum(r.accepted_per_step) for r in results) / passes if passes else 1.0,
-            "steps": passes or sum(r.target_forward_passes - 1 for r in results),
-        }
-        row["other_s"] = row["wall_s"] - row["prefill_s"] - row["draft_s"] - row["verify_s"]
+        stats, _ = decode_prompts(dec, prompts, args.max_new_tokens)
+        row = stats.to_dict()  # tokens, seconds, prefill/draft/verify/overhead time, step_time, tau, ...
+        row.update({f"{key.replace('.', '_')}_time": clock.get(key, 0.0)
+                    for key in ("target", "drafter.layer", "drafter.lm_head", "drafter.fc")})
         report[name] = row
     p, s = report["plain"], report["speculative"]
-    t_step = p["verify_s"] / max(1, p["steps"])
-    t_verify, t_draft = s["verify_s"] / max(1, s["steps"]), s["draft_s"] / max(1, s["steps"])
-    bound = s["acceptance_length"] * t_step / (t_verify + t_draft)
-    report["summary"] = {"t_plain_step_ms": 1e3 * t_step, "t_verify_ms": 1e3 * t_verify,
-                         "t_draft_round_ms": 1e3 * t_draft, "acceptance_length": s["acceptance_length"],
-                         "speedup": s["tokens_per_s"] / p["tokens_per_s"], "bound": bound}
+    passes = max(1, s["verify_passes"])
+    report["summary"] = {"t_plain_step_ms": 1e3 * p["step_time"], "t_verify_ms": 1e3 * s["verify_time"] / passes,
+                         "t_draft_round_ms": 1e3 * s["draft_time"] / passes,
+                         "acceptance_length": s["acceptance_length"],
+                         "speedup": s["tokens_per_second"] / p["tokens_per_second"], "bound": speedup_bound(s, p)}
     print(f"{'':12}{'wall s':>8}{'tok/s':>7}{'target':>8}{'d.layer':>8}{'d.head':>8}{'d.fc':>7}{'prefill':>8}"
           f"{'draft':>7}{'verify':>7}{'other':>7}")
     for name in ("plain", "speculative"):
         r = report[name]
-        print(f"{name:<12}{r['wall_s']:>8.2f}{r['tokens_per_s']:>7.1f}{r['target_s']:>8.2f}{r['drafter_layer_s']:>8.2f}"
-              f"{r['drafter_lm_head_s']:>8.2f}{r['drafter_fc_s']:>7.2f}{r['prefill_s']:>8.2f}{r['draft_s']:>7.2f}"
-              f"{r['verify_s']:>7.2f}{r['other_s']:>7.2f}")
+        print(f"{name:<12}{r['seconds']:>8.2f}{r['tokens_per_second']:>7.1f}{r['target_time']:>8.2f}"
+              f"{r['drafter_layer_time']:>8.2f}{r['drafter_lm_head_time']:>8.2f}{r['drafter_fc_time']:>7.2f}"
+              f"{r['prefill_time']:>8.2f}{r['draft_time']:>7.2f}{r['verify_time']:>7.2f}{r['overhead_time']:>7.2f}")
     m = report["summary"]
     print(f"plain step {m['t_plain_step_ms']:.1f} ms; per round: verify {m['t_verify_ms']:.1f} ms "
           f"({m['t_verify_ms'] / m['t_plain_step_ms']:.2f}x a step), draft {m['t_draft_round_ms']:.1f} ms; "

@@ -91,7 +91,7 @@ class MethodStats:
     compared: int = 0
     ties: int = 0  # of the others: first difference where the target's top-2 logits are a rounding tie
 
-    def add(self, r: DecodeResult, max_draft: int) -> None:
+    def add(self, r: DecodeResult, max_accepted: int) -> None:
         self.tokens += len(r.token_ids)
         self.seconds += r.total_time
         self.prefill_time += r.prefill_time
@@ -100,9 +100,9 @@ class MethodStats:
         self.accepted += sum(r.accepted_per_step)
         self.draft_time += r.draft_time
         self.verify_time += r.verify_time
-        per = r.accepted_per_position(max_draft)
+        per = r.accepted_per_position(max_accepted)
         if not self.accepted_per_position:
-            self.accepted_per_position = [0] * max_draft
+            self.accepted_per_position = [0] * max_accepted
         self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, per, strict=True)]
         self.requests += 1
 
@@ -140,6 +140,21 @@ def speedup_bound(method: dict, plain: dict) -> float | None:
         return None
     per_round = (method["verify_time"] + method["draft_time"]) / method["verify_passes"]
     return method["acceptance_length"] * plain["step_time"] / per_round if per_round else None
+
+
+def decode_prompts(decoder: SpeculativeDecoder, prompts: Sequence[Sequence[int]],
+                   max_new_tokens: int) -> tuple[MethodStats, list[DecodeResult]]:
+    """Greedy-decode token-id prompts (stopping at the target's stop tokens): totals and per-request results."""
+    from draftsmith.cli import stop_token_ids
+
+    stops = stop_token_ids(decoder.target.tokenizer)
+    spec = decoder.spec
+    stats, results = MethodStats(), []
+    for p in prompts:
+        r = decoder.generate(p, max_new_tokens, eos_token_ids=stops)
+        stats.add(r, spec.max_accepted if spec is not None else 0)
+        results.append(r)
+    return stats, results
 
 
 def spec_name(spec) -> str:
@@ -187,10 +202,7 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
                         ids = tok(text, add_special_tokens=False)["input_ids"]
                         gen = torch.Generator(device=target.device).manual_seed(seed + i)
                         r = decoders[name].generate(ids, max_new_tokens, sampling, eos_token_ids=stops, generator=gen)
-                        # A tree accepts at most one path: positions run to its depth, not its node count.
-                        positions = 0 if spec is None else spec.depth if isinstance(spec, TreeSpec) \
-                            else spec.max_draft_tokens
-                        stats[name].add(r, positions)
+                        stats[name].add(r, spec.max_accepted if spec is not None else 0)
                         if spec is None:
                             plain_ids = r.token_ids
                         elif sampling.greedy and turn == 0:

@@ -49,6 +49,11 @@ class ChainSpec:
     def max_draft_tokens(self) -> int:
         return self.k
 
+    @property
+    def max_accepted(self) -> int:
+        """The most drafted tokens one verify pass can accept."""
+        return self.k
+
 
 @dataclass(frozen=True)
 class TreeSpec:
@@ -65,6 +70,11 @@ class TreeSpec:
     @property
     def max_draft_tokens(self) -> int:
         return self.total_tokens - 1
+
+    @property
+    def max_accepted(self) -> int:
+        """One root-to-leaf path is accepted: at most ``depth`` tokens."""
+        return self.depth
 
     @classmethod
     def parse(cls, text: str) -> TreeSpec:
@@ -85,6 +95,10 @@ class NgramSpec:
 
     @property
     def max_draft_tokens(self) -> int:
+        return self.k
+
+    @property
+    def max_accepted(self) -> int:
         return self.k
 
 
