@@ -518,3 +518,22 @@ def test_cli(tmp_path, model_dir, capsys):
     assert rc == 2 and "--server-url" in capsys.readouterr().err
     rc = main(["generate", "--self-prompt", "0", "--out", str(out)])
     assert rc == 2 and "--self-prompt must be >= 1" in capsys.readouterr().err
+    rc = main(["generate", "--input", str(inp), "--out", str(out), "--backend", "vllm"])
+    assert rc == 2 and "--vllm-python" in capsys.readouterr().err
+    rc = main(["generate", "--input", str(inp), "--out", str(out), "--backend", "vllm",
+               "--vllm-python", str(tmp_path / "no-python")])
+    assert rc == 2 and "no-python" in capsys.readouterr().err
+
+
+def test_vllm_backend_worker_that_dies_is_a_clear_error(tmp_path, model_dir):
+    """A vLLM that cannot start (wrong venv, no memory) ends the run with its status and log tail, nothing
+    written; the real engine is exercised by the slow suite (tests/test_vllm_engine.py)."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ImportError: No module named vllm' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    out = tmp_path / "conv.jsonl"
+    inp = _write_jsonl(tmp_path / "in.jsonl", PROMPTS[:2])
+    with pytest.raises(GenerateError, match=r"(?s)status 3 .*No module named vllm"):
+        generate(GenerateConfig(out=out, input=inp, target=str(model_dir), backend="vllm", vllm_python=str(fake),
+                                progress=False))
+    assert not out.exists() or out.read_text() == ""

@@ -398,3 +398,53 @@ def test_generate_openai_backend_against_vllm_serve(vllm_server, word_target, tm
     again = generate(GenerateConfig(out=out, **cfg))
     assert (again.total, again.new, again.already, again.error, again.skipped) == (6, 0, 3, 2, 1), str(again)
     assert len(out.read_text().splitlines()) == 3
+
+
+# --- generate --backend vllm: the offline engine in a child process ---------------------------------------
+@pytest.mark.slow
+def test_generate_vllm_backend_equals_local(word_target, tmp_path, monkeypatch):
+    """Greedy answers from vLLM's offline engine are the local backend's token for token (float32, several
+    turns); a prompt past --max-input-length is one counted error; self-prompting writes distinct questions;
+    the engine's output goes to a log beside the output, not into the records."""
+    from draftsmith.data.generate import GenerateConfig, generate
+
+    for k, v in _engine_env().items():
+        monkeypatch.setenv(k, v)
+    lines = [
+        json.dumps({"id": "plain", "prompt": "the cat sat on a mat"}),
+        json.dumps({"id": "long", "prompt": " ".join(["green blue small"] * 40)}),  # ~500 tokens > 200
+        json.dumps({"id": "multi", "conversations": [
+            {"from": "human", "value": "rain sun tree"}, {"from": "gpt", "value": "old answer"},
+            {"from": "human", "value": "dog who was"}]}),
+        *(json.dumps({"id": f"q{i}", "prompt": q}) for i, q in enumerate(_questions(6, seed=3))),
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    common = dict(input=prompts, target=str(word_target), dtype="float32", max_new_tokens=24, max_input_length=200,
+                  progress=False)
+    out = tmp_path / "vllm.jsonl"
+    s = generate(GenerateConfig(out=out, backend="vllm", vllm_python=str(VLLM_PYTHON), batch_size=16,
+                                vllm_kv_cache_gib=0.25, **common))
+    assert (s.new, s.error, s.skipped) == (8, 1, 0), str(s)
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert all(r["backend"] == "vllm" for r in records.values())
+    assert [m["role"] for m in records["multi"]["messages"]] == ["user", "assistant", "user", "assistant"]
+    log = out.with_name(out.name + ".vllm.log")
+    assert log.is_file() and log.stat().st_size > 0
+
+    local = tmp_path / "local.jsonl"
+    ls = generate(GenerateConfig(out=local, batch_size=4, **common))
+    assert (ls.new, ls.error, ls.skipped) == (8, 1, 0), str(ls)
+    local_records = {r["id"]: r for r in map(json.loads, local.read_text().splitlines())}
+    assert {i: r["messages"] for i, r in local_records.items()} == {i: r["messages"] for i, r in records.items()}
+    assert {i: r["num_generated_tokens"] for i, r in local_records.items()} == \
+        {i: r["num_generated_tokens"] for i, r in records.items()}
+
+    selfp = tmp_path / "self.jsonl"
+    ss = generate(GenerateConfig(out=selfp, self_prompt=5, backend="vllm", vllm_python=str(VLLM_PYTHON),
+                                 target=str(word_target), dtype="float32", max_new_tokens=8,
+                                 question_max_new_tokens=12, question_allow_unfinished=True, temperature=1.0,
+                                 vllm_kv_cache_gib=0.25, progress=False))
+    assert (ss.new, ss.error) == (5, 0), str(ss)
+    questions = [json.loads(x)["messages"][0]["content"] for x in selfp.read_text().splitlines()]
+    assert len(set(questions)) == 5

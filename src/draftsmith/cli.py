@@ -229,15 +229,22 @@ def _add_generate_parser(sub) -> None:
     src.add_argument("--self-prompt", type=int, default=None, metavar="N",
                      help="the target writes N user questions itself from its chat template's user header")
     p.add_argument("--out", required=True, metavar="JSONL", help="conversations out (appended; resumed)")
-    p.add_argument("--backend", choices=["local", "openai"], default="local",
-                   help="local: the target in-process (default); openai: an OpenAI-compatible server")
-    g = p.add_argument_group("local backend")
+    p.add_argument("--backend", choices=["local", "vllm", "openai"], default="local",
+                   help="local: the target in-process (default); vllm: vLLM's offline engine (--vllm-python); "
+                        "openai: an OpenAI-compatible server")
+    g = p.add_argument_group("local and vllm backends")
     g.add_argument("--target", default="smollm2",
                    help="model directory, .gguf file, or 'smollm2' (the embedded default; default)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: float32 on CPU, bfloat16 on CUDA")
-    g.add_argument("--batch-size", type=int, default=8, help="conversations generated together (default 8)")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="conversations per round (default: local 8, vllm 256: vLLM schedules a round itself)")
+    g = p.add_argument_group("vllm backend (vLLM's offline engine in a child process)")
+    g.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="a Python with vLLM installed, e.g. .venv-vllm/bin/python (`make vllm-env`)")
+    g.add_argument("--vllm-max-num-seqs", type=int, default=128, help="sequences in flight (default 128)")
+    g.add_argument("--vllm-kv-cache-gib", type=float, default=2.0, help="KV cache size in GiB (default 2)")
     g = p.add_argument_group("openai backend (vLLM, SGLang, ...)")
     g.add_argument("--server-url", action="append", default=[], metavar="URL",
                    help="e.g. http://localhost:8000 (repeat for several servers: requests go round-robin)")
@@ -265,7 +272,9 @@ def _generate(args) -> int:
 
     config = GenerateConfig(
         out=args.out, input=args.input, self_prompt=args.self_prompt, backend=args.backend,
-        target=args.target, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+        target=args.target, device=args.device, dtype=args.dtype,
+        batch_size=args.batch_size or (256 if args.backend == "vllm" else 8), vllm_python=args.vllm_python,
+        vllm_max_num_seqs=args.vllm_max_num_seqs, vllm_kv_cache_gib=args.vllm_kv_cache_gib,
         server_urls=args.server_url, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
         api_key=args.api_key, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
