@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: ~20 min on 2 CPU cores; full: longer, best numbers; tiny: seconds (tests)")
     p.add_argument("--workdir", default="runs/demo", help="where every artefact goes (default runs/demo)")
     p.add_argument("--target", default=None, help="override the preset's target (a model dir or 'smollm2')")
+    p.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="generate with vLLM's engine run by this Python (e.g. .venv-vllm/bin/python; `make demo` "
+                        "passes it); default: the in-process backend, several times slower")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return parser
 
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from draftsmith.demo import run_demo
 
-            run_demo(args.preset, args.workdir, target=args.target, progress=args.progress)
+            run_demo(args.preset, args.workdir, target=args.target, progress=args.progress,
+                     vllm_python=args.vllm_python)
             return 0
     except (UsageError, FileNotFoundError, NotADirectoryError, StoreError, ValueError) as e:
         # ValueError covers TargetError, DrafterError, VocabError, TrainError and bad option values.
