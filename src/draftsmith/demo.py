@@ -42,10 +42,9 @@ class Preset:
 PRESETS = {
     # Seconds, for tests: a random tiny target, a handful of conversations.
     "tiny": Preset("tiny", 12, 40, 16, 6, 300, 40, 3, 1024, 3e-3, ("mt-bench",), 2, 24, 3, (3, 2, 6), "float32"),
-    # The README's `make demo`, sized for 20 minutes on 2 CPU cores with generation on vLLM (~420 answer tok/s
-    # measured at 1,200 conversations: 8.6 min; the in-process backend does ~140): generation ~6 min, capture ~2.2
-    # (~1,500 tok/s), training ~5 (bf16 autocast, ~850-1,250 tok/s), bench ~5. Chain 2: the drafter's third
-    # position was accepted 2% of rounds at 5% of a step's cost. Answers are long because SmolLM2's greedy answers
+    # The README's `make demo`: 18.7 min measured on 2 CPU cores with generation on vLLM (generate 6.5, capture
+    # 2.5, train 5.1, bench 4.5; the in-process backend generates ~3x slower). Chain 2: the drafter's third
+    # position was accepted in 2% of rounds at ~5% of a step's cost. Answers are long because SmolLM2's greedy answers
     # settle into patterns a drafter learns to follow; the bench decodes as far.
     "default": Preset("smollm2", 800, 224, 64, 32, 4096, 340, 3, 1024, 2e-3, ("mt-bench",), 8, 192, 2, None),
     # More data, longer training, and the tree (hours on 2 CPU cores; minutes on a GPU).
