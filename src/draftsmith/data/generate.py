@@ -568,11 +568,9 @@ class VllmBackend(_TokenBackend):
 
     def generate_ids(self, prompts: list[list[int]], sampling: _Sampling,
                      seeds: list[int]) -> list[tuple[list[int], str]]:
+        # run() refuses prompts past max_positions - 1, so every budget is at least one token.
         budgets = [min(sampling.max_new_tokens, self.max_positions - len(p)) if self.max_positions
                    else sampling.max_new_tokens for p in prompts]
-        if min(budgets) < 1:
-            raise GenerateError(f"a prompt of {max(len(p) for p in prompts)} tokens leaves no room to generate "
-                                f"within vLLM's max model length {self.max_positions}")
         req = {"prompts": prompts, "max_tokens": budgets, "temperature": sampling.temperature,
                "top_p": sampling.top_p, "top_k": sampling.top_k, "seeds": seeds if sampling.temperature > 0 else None,
                "stop_token_ids": sorted(self.stop_ids), "stop": self.stop_texts}

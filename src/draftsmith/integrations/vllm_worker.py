@@ -41,11 +41,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from vllm import LLM, SamplingParams
-
-    try:
-        from vllm.inputs import TokensPrompt
-    except ImportError:  # older layouts
-        TokensPrompt = dict  # noqa: N806
+    from vllm.inputs import TokensPrompt
 
     engine_args = {k: opts[k] for k in ("model", "dtype", "max_model_len", "max_num_seqs", "seed",
                                          "kv_cache_memory_bytes", "enforce_eager") if opts.get(k) is not None}
