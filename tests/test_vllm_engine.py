@@ -448,3 +448,14 @@ def test_generate_vllm_backend_equals_local(word_target, tmp_path, monkeypatch):
     assert (ss.new, ss.error) == (5, 0), str(ss)
     questions = [json.loads(x)["messages"][0]["content"] for x in selfp.read_text().splitlines()]
     assert len(set(questions)) == 5
+
+    # Seeded sampling over a round whose prompts exceed one engine step's token budget (4,096 on CPU): a
+    # prefill split across steps made vLLM rewind a CPU generator and fail the whole round.
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"id": f"m{i}", "prompt": " ".join(["green blue small"] * 30) + f" {i}"}) + "\n"
+                            for i in range(64)))
+    ms = generate(GenerateConfig(out=tmp_path / "many_out.jsonl", input=many, backend="vllm",
+                                 vllm_python=str(VLLM_PYTHON), target=str(word_target), dtype="float32",
+                                 max_new_tokens=4, temperature=1.0, batch_size=64, vllm_kv_cache_gib=0.25,
+                                 progress=False))
+    assert (ms.new, ms.error) == (64, 0), str(ms)

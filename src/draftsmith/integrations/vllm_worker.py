@@ -45,12 +45,17 @@ def main() -> int:
 
     engine_args = {k: opts[k] for k in ("model", "dtype", "max_model_len", "max_num_seqs", "seed",
                                          "kv_cache_memory_bytes", "enforce_eager") if opts.get(k) is not None}
+    from vllm.platforms import current_platform
+
     if opts.get("enforce_eager") is None:
         # On CPU, graph capture costs ~2 minutes at start and bought nothing measured (SmolLM2, 2 cores:
         # greedy 1,068 tok/s eager vs 886 compiled, start 7 s vs 116 s); on GPUs CUDA graphs matter.
-        from vllm.platforms import current_platform
-
         engine_args["enforce_eager"] = bool(current_platform.is_cpu())
+    if current_platform.is_cpu():
+        # A seeded request whose prefill is split over two steps makes vLLM rewind its generator
+        # (`set_offset`), which CPU generators do not have: "CPU Generator does not use offset" as soon as a
+        # round's prompts exceed one step's token budget (256 questions in flight did). Whole prefills only.
+        engine_args["enable_chunked_prefill"] = False
     llm = LLM(**engine_args)
     max_model_len = int(llm.llm_engine.model_config.max_model_len)
     out.write(json.dumps({"ready": True, "max_model_len": max_model_len}) + "\n")
