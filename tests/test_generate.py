@@ -222,6 +222,22 @@ def test_batched_generation_matches_one_by_one(tmp_path, target):
     assert together[1] == alone[0]
 
 
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.7), (5, 0.8)])
+def test_local_sampler_draws_the_target_distribution(target, top_k, top_p):
+    """The question sampler keeps only top-k/top-p candidates; its draws must follow decode's reference."""
+    from draftsmith.decode import SamplingParams, logits_to_probs
+
+    backend = LocalBackend(target)
+    logits = torch.tensor([2.0, -3.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0], dtype=torch.float64)
+    n = 20000
+    picks = backend._pick(logits.expand(n, -1), _Sampling(1, 0.8, top_p, top_k),
+                          [torch.Generator().manual_seed(i) for i in range(n)])
+    freq = torch.bincount(torch.tensor(picks), minlength=len(logits)).double() / n
+    want = logits_to_probs(logits[None], SamplingParams(temperature=0.8, top_p=top_p, top_k=top_k))[0].double()
+    assert (freq[want == 0] == 0).all()  # nothing outside top-k / the nucleus is ever drawn
+    assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12).all()
+
+
 def test_resume_after_partial_run_and_crash_mid_line(tmp_path, target):
     inp = _write_jsonl(tmp_path / "in.jsonl", PROMPTS)
     full = generate(_cfg(tmp_path, input=inp, out=tmp_path / "full.jsonl"), target=target)
