@@ -265,7 +265,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             step = state["step"]
             if step % cfg.log_every == 0 or step == total_steps:
                 rate = tokens_seen * world / max(time.perf_counter() - t_start, 1e-9)
-                log.write(step=step, loss=stats.loss / cfg.grad_accum, acc_0=stats.acc[0],
+                log.write(step=step, elapsed_s=round(time.perf_counter() - t_start, 3),
+                          loss=stats.loss / cfg.grad_accum, acc_0=stats.acc[0],
                           simulated_tau=stats.simulated_acceptance_length, lr=sched.get_last_lr()[0],
                           tokens_per_s=rate)
                 if bar is not None:
