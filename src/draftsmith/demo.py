@@ -47,7 +47,8 @@ PRESETS = {
     # position was accepted in 2% of rounds at ~5% of a step's cost. Answers are long because SmolLM2's greedy answers
     # settle into patterns a drafter learns to follow; the bench decodes as far.
     "default": Preset("smollm2", 800, 224, 64, 32, 4096, 340, 3, 1024, 2e-3, ("mt-bench",), 8, 192, 2, None),
-    # More data, longer training, and the tree (hours on 2 CPU cores; minutes on a GPU).
+    # More data, longer training, and the tree (hours on 2 CPU cores; the demo runs on the CPU). The README's
+    # table comes from a longer, GPU-trained drafter (`draftsmith train --device cuda`, online), not this preset.
     "full": Preset("smollm2", 2400, 256, 64, 32, 8192, 3000, 5, 2048, 1e-3, ("mt-bench", "humaneval"), 40, 256, 5,
                    (6, 8, 48)),
 }
