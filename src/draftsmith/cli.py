@@ -277,7 +277,7 @@ def _generate(args) -> int:
     config = GenerateConfig(
         out=args.out, input=args.input, self_prompt=args.self_prompt, backend=args.backend,
         target=args.target, device=args.device, dtype=args.dtype,
-        batch_size=args.batch_size or (256 if args.backend == "vllm" else 8), vllm_python=args.vllm_python,
+        batch_size=args.batch_size, vllm_python=args.vllm_python,
         vllm_max_num_seqs=args.vllm_max_num_seqs, vllm_kv_cache_gib=args.vllm_kv_cache_gib,
         server_urls=args.server_url, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
         api_key=args.api_key, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,

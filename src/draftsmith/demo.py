@@ -101,7 +101,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     if not vllm_python and p.target != "tiny":
         print("no --vllm-python: generating in-process, several times slower than vLLM's engine "
               "(`make vllm-env` installs one)", file=sys.stderr)
-    backend = {"backend": "vllm", "vllm_python": vllm_python, "batch_size": 256, "target": target_path,
+    backend = {"backend": "vllm", "vllm_python": vllm_python, "target": target_path,
                "dtype": str(dtype).removeprefix("torch.")} if vllm_python else {"batch_size": p.gen_batch}
     summary = generate(GenerateConfig(out=work / "conversations.jsonl", self_prompt=p.conversations,
                                       max_new_tokens=p.answer_tokens, question_max_new_tokens=p.question_tokens,

@@ -91,7 +91,7 @@ class GenerateConfig:
     target: str | Path = "smollm2"
     device: str = "cpu"
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: the target's default
-    batch_size: int = 8  # conversations per round (local and vllm backends)
+    batch_size: int | None = None  # conversations per round (local and vllm); None: the backend's default
     # vllm backend: vLLM's offline engine in a child process run by this Python (a venv with vLLM)
     vllm_python: str | Path | None = None
     vllm_max_num_seqs: int = 128
@@ -146,7 +146,7 @@ class GenerateConfig:
         if self.backend == "openai" and not self.server_urls:
             raise GenerateError("--backend openai needs --server-url URL (repeatable)")
         for name in ("batch_size", "concurrency", "max_new_tokens", "question_max_new_tokens", "question_attempts"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise GenerateError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_input_length is not None and self.max_input_length < 1:
             raise GenerateError(f"--max-input-length must be >= 1, got {self.max_input_length}")
@@ -318,12 +318,13 @@ class _TokenBackend:
     """
 
     name = "token"
+    default_batch_size = 8
 
-    def __init__(self, tokenizer: Any, model_name: str, batch_size: int, max_positions: int | None,
+    def __init__(self, tokenizer: Any, model_name: str, batch_size: int | None, max_positions: int | None,
                  max_input_length: int | None, extra_eos: Any = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.batch_size = batch_size
+        self.batch_size = batch_size or self.default_batch_size
         self.max_positions = max_positions
         limits = [x for x in (max_input_length, self.max_positions and self.max_positions - 1) if x]
         self.max_input_length = min(limits) if limits else None
@@ -422,7 +423,7 @@ class LocalBackend(_TokenBackend):
 
     name = "local"
 
-    def __init__(self, target: Any, batch_size: int = 8, max_input_length: int | None = None) -> None:
+    def __init__(self, target: Any, batch_size: int | None = None, max_input_length: int | None = None) -> None:
         import torch
 
         if target.tokenizer is None:
@@ -531,8 +532,9 @@ class VllmBackend(_TokenBackend):
     """
 
     name = "vllm"
+    default_batch_size = 256  # a round is one llm.generate call; vLLM schedules it with max_num_seqs in flight
 
-    def __init__(self, model_dir: str | Path, python: str | Path, *, batch_size: int = 256,
+    def __init__(self, model_dir: str | Path, python: str | Path, *, batch_size: int | None = None,
                  max_input_length: int | None = None, dtype: str | None = None, max_model_len: int = 4096,
                  max_num_seqs: int = 128, kv_cache_gib: float = 2.0, seed: int = 0,
                  log_path: str | Path | None = None) -> None:
@@ -969,7 +971,7 @@ def _self_prompt_jobs(backend: _Backend, cfg: GenerateConfig, pending: list[int]
     stops = end_of_turn_texts(tok)
     sampling = _Sampling(cfg.question_max_new_tokens, cfg.question_temperature, cfg.question_top_p,
                          cfg.question_top_k)
-    chunk_size = cfg.concurrency if backend.name == "openai" else cfg.batch_size
+    chunk_size = backend.batch_size if isinstance(backend, _TokenBackend) else cfg.concurrency
     for start in range(0, len(pending), chunk_size):
         todo = {i: 0 for i in pending[start:start + chunk_size]}  # index -> attempt
         accepted: dict[int, str] = {}
