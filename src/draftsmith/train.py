@@ -230,7 +230,9 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     log = _Log(out, rank)
     bar = _progress(cfg, rank, total_steps, state["step"])
-    teacher = Teacher(lm_head, target_ids, drafter.t2d, heads.final_logit_softcapping)
+    # The teacher's products run in the autocast dtype: cast the head once, not in every call.
+    teacher = Teacher(lm_head.to(torch.bfloat16) if autocast else lm_head, target_ids, drafter.t2d,
+                      heads.final_logit_softcapping)
     last_eval: dict = {}
     tokens_seen, t_start = 0, time.perf_counter()
     drafter.train()
@@ -313,6 +315,7 @@ class Teacher:
 
     def __init__(self, lm_head: torch.Tensor, target_ids: torch.Tensor, t2d: torch.Tensor, softcap: float | None):
         self.lm_head, self.target_ids, self.t2d, self.softcap = lm_head, target_ids, t2d, softcap
+        self.draft_weight = lm_head[target_ids]
         self._argmax: dict[int, torch.Tensor] = {}
 
     def __call__(self, batch: TTTBatch):
@@ -326,7 +329,8 @@ class Teacher:
             for row, i in enumerate(batch.indices):
                 a = self._argmax[i]
                 argmax[row, : a.numel()] = a
-        return teacher_targets(batch, self.lm_head, self.target_ids, self.t2d, self.softcap, argmax=argmax)
+        return teacher_targets(batch, self.lm_head, self.target_ids, self.t2d, self.softcap, argmax=argmax,
+                               draft_weight=self.draft_weight)
 
 
 @torch.no_grad()
