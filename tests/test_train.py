@@ -17,7 +17,7 @@ from draftsmith.decode import ChainSpec, SpeculativeDecoder
 from draftsmith.drafter import KVCache, load_drafter, new_drafter
 from draftsmith.target import load_target
 from draftsmith.train import TrainConfig, TrainError, load_config, train
-from draftsmith.ttt import TTTBatch, simulated_acceptance_length, teacher_targets, ttt_forward
+from draftsmith.ttt import TTTBatch, simulated_acceptance_length, target_argmax, teacher_targets, ttt_forward
 
 
 def test_ttt_unroll_equals_inference_drafting():
@@ -39,6 +39,19 @@ def test_ttt_unroll_equals_inference_drafting():
         for i in range(1, 4):
             h = drafter(h, ids[:1, col + 1 + i: col + 2 + i], torch.tensor([[col + i]]), cache)
             torch.testing.assert_close(h[0, 0], hidden[i][0, col], atol=1e-7, rtol=0)
+
+
+def test_target_argmax_is_the_first_maximum_in_any_head_dtype():
+    """The teacher's choice equals argmax of the full logits, ties going to the lower id, chunked or not."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(300, 16, generator=g)
+    head[7] = head[250]  # a tie: both ids always score the same
+    hidden = torch.randn(2, 40, 16, generator=g)
+    hidden[0, 3] = head[250] * 10  # a row whose maximum is the tied pair
+    for w in (head, head.bfloat16()):
+        full = (hidden.to(w.dtype) @ w.T).argmax(-1)
+        assert torch.equal(target_argmax(hidden, w, chunk=7), full)
+    assert int(target_argmax(hidden, head)[0, 3]) == 7
 
 
 def test_simulated_acceptance_length():
