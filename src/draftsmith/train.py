@@ -205,7 +205,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         dv = vocab_mod.identity(heads.vocab_size, cfg.draft_vocab_size)
 
     drafter = _build_drafter(cfg, heads, dv, aux_layers, device, compute_dtype)
-    lm_head = heads.lm_head_weight.to(device=device, dtype=compute_dtype)
+    # The teacher's products run in the autocast dtype: convert the head once, not in every call.
+    lm_head = heads.lm_head_weight.to(device=device, dtype=torch.bfloat16 if autocast else compute_dtype)
     target_ids = drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=device))
     train_idx, eval_idx = split_eval(source.ids, cfg.eval_fraction)
     batches_per_epoch = len(make_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed)) // world
@@ -230,9 +231,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     log = _Log(out, rank)
     bar = _progress(cfg, rank, total_steps, state["step"])
-    # The teacher's products run in the autocast dtype: cast the head once, not in every call.
-    teacher = Teacher(lm_head.to(torch.bfloat16) if autocast else lm_head, target_ids, drafter.t2d,
-                      heads.final_logit_softcapping)
+    teacher = Teacher(lm_head, target_ids, drafter.t2d, heads.final_logit_softcapping)
     last_eval: dict = {}
     tokens_seen, t_start = 0, time.perf_counter()
     drafter.train()
