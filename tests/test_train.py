@@ -41,6 +41,49 @@ def test_ttt_unroll_equals_inference_drafting():
             torch.testing.assert_close(h[0, 0], hidden[i][0, col], atol=1e-7, rtol=0)
 
 
+def _dense_ttt_loss(drafter, batch, teacher, ttt_steps, decay=0.8):
+    """The TTT loss written plainly: the head over every column, masked afterwards (slow, obviously right)."""
+    from draftsmith.ttt import _shift
+
+    probs, argmax, in_draft = teacher
+    hidden: list[torch.Tensor] = []
+    ttt_forward(drafter, batch, teacher, ttt_steps, decay, unroll_hidden=hidden)
+    valid = torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]
+    total, correct, counted = 0.0, [], []
+    for i, h in enumerate(hidden):
+        logits = drafter.logits(h).float()
+        predicted = _shift(batch.loss_mask & valid, 2 + i)
+        trained = predicted & _shift(in_draft, 1 + i)
+        ce = -(_shift(probs, 1 + i) * logits.log_softmax(-1)).sum(-1)
+        total = total + decay**i * (ce * trained).sum() / trained.sum().clamp_min(1)
+        correct.append(float(((logits.argmax(-1) == _shift(argmax, 1 + i)) & trained).sum()))
+        counted.append(float(predicted.sum()))
+    return total, correct, counted
+
+
+def test_ttt_loss_on_trained_columns_equals_the_dense_loss():
+    """The head runs only where a column is trained; loss, gradients and accuracy counts are the dense ones."""
+    target = tiny_target("llama")
+    drafter = new_drafter(target, draft_vocab_size=120, seed=5)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 250, (3, 16), generator=g)
+    out = target(ids)
+    loss_mask = torch.rand(3, 16, generator=g) < 0.6  # prompt and answer columns interleaved
+    batch = TTTBatch(ids, loss_mask, torch.cat(out.aux_hidden_states, -1), out.hidden_state,
+                     torch.tensor([16, 11, 7]))
+    teacher = teacher_targets(batch, target.lm_head.weight, drafter.to_target_ids(torch.arange(120)), drafter.t2d)
+    assert not bool(teacher[2].all())  # some target choices fall outside the draft vocabulary
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    loss, stats = ttt_forward(drafter, batch, teacher, 3)
+    grads = torch.autograd.grad(loss, params)
+    ref, correct, counted = _dense_ttt_loss(drafter, batch, teacher, 3)
+    ref_grads = torch.autograd.grad(ref, params)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert stats.correct == correct and stats.total == counted and sum(counted) > 0
+
+
 def test_target_argmax_is_the_first_maximum_in_any_head_dtype():
     """The teacher's choice equals argmax of the full logits, ties going to the lower id, chunked or not."""
     g = torch.Generator().manual_seed(0)

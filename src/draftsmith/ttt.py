@@ -148,6 +148,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int
     b, t = batch.input_ids.shape
     positions = torch.arange(t, device=batch.input_ids.device)[None].expand(b, t)
     valid = torch.arange(t, device=batch.input_ids.device)[None] < batch.lengths[:, None]
+    answer = batch.loss_mask & valid
     g = drafter.fuse(batch.aux_hidden_states)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -164,17 +165,17 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int
         h = layer.finish(attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)), residual)
         if unroll_hidden is not None:
             unroll_hidden.append(h)
-        logits = drafter.logits(h).float()
-        predicted = _shift(batch.loss_mask & valid, 2 + i)  # the token this step predicts is an assistant token
+        predicted = _shift(answer, 2 + i)  # the token this step predicts is an assistant token
         trained = predicted & _shift(in_draft, 1 + i)
-        p = _shift(teacher_probs, 1 + i)
-        ce = -(p * logits.log_softmax(-1)).sum(-1)
-        n = trained.sum()
-        loss_i = (ce * trained).sum() / n.clamp_min(1)
+        # The head, its softmax and the loss only on trained columns (a quarter of a chat is prompt): the
+        # head is the widest matmul of a step. Column t's teacher sits at t+1+i, inside the batch when trained.
+        rows, cols = trained.nonzero(as_tuple=True)
+        logits = drafter.logits(h[rows, cols]).float()
+        p = teacher_probs[rows, cols + 1 + i]
+        loss_i = -(p * logits.log_softmax(-1)).sum() / max(rows.numel(), 1)
         total = total + decay**i * loss_i
         with torch.no_grad():
-            hit = (logits.argmax(-1) == _shift(teacher_argmax, 1 + i)) & trained
-            stats.correct[i] = float(hit.sum())
+            stats.correct[i] = float((logits.argmax(-1) == teacher_argmax[rows, cols + 1 + i]).sum())
             stats.total[i] = float(predicted.sum())
         g = h
     stats.loss = float(total.detach())
