@@ -176,3 +176,26 @@ def test_chain_crop_rollback():
     target(ids[:, :8], cache=ref_cache)
     for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
         torch.testing.assert_close(layer.keys, ref_layer.keys)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_tree_pass_over_a_cache_matches_hf_sdpa(arch):
+    """The attention the adapter installs (grouped K/V read in place under a mask) gives HF's SDPA logits."""
+    fast = Target(build_tiny_model(arch, seed=0, dtype=torch.float64))
+    hf = Target(build_tiny_model(arch, seed=0, dtype=torch.float64))
+    if fast.model.config._attn_implementation == "draftsmith_sdpa":
+        hf.model.set_attn_implementation("sdpa")
+    elif arch == "llama":
+        pytest.fail("a Llama on SDPA should run the in-place GQA attention")
+    prompt = torch.randint(3, 250, (1, 7), generator=torch.Generator().manual_seed(0))
+    tree = torch.tensor([[11, 12, 13, 14]])  # root, two children of the root, a grandchild under the first
+    allowed = torch.ones(4, 11, dtype=torch.bool)
+    allowed[:, 7:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    pos = torch.tensor([[7, 8, 8, 9]])
+    logits = []
+    for t in (fast, hf):
+        cache = t.new_cache()
+        t(prompt, cache=cache)
+        logits.append(t(tree, cache=cache, attention_mask=mask[None, None], position_ids=pos).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-12, rtol=0)
