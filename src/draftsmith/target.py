@@ -179,7 +179,7 @@ class Target:
     def __init__(self, model: nn.Module, tokenizer=None, aux_layers: Sequence[int] | None = None,
                  name: str | None = None):
         self.model = model.eval()
-        use_in_place_gqa(model)
+        use_in_place_gqa(model)  # HF's SDPA math without its K/V copy on multi-token passes
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "name_or_path", None) or type(model).__name__
         self.config = text_config_of(model.config)
