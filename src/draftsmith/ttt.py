@@ -170,12 +170,13 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int
         # The head, its softmax and the loss only on trained columns (a quarter of a chat is prompt): the
         # head is the widest matmul of a step. Column t's teacher sits at t+1+i, inside the batch when trained.
         rows, cols = trained.nonzero(as_tuple=True)
+        teacher_cols = cols + 1 + i
         logits = drafter.logits(h[rows, cols]).float()
-        p = teacher_probs[rows, cols + 1 + i]
+        p = teacher_probs[rows, teacher_cols]
         loss_i = -(p * logits.log_softmax(-1)).sum() / max(rows.numel(), 1)
         total = total + decay**i * loss_i
         with torch.no_grad():
-            stats.correct[i] = float((logits.argmax(-1) == teacher_argmax[rows, cols + 1 + i]).sum())
+            stats.correct[i] = float((logits.argmax(-1) == teacher_argmax[rows, teacher_cols]).sum())
             stats.total[i] = float(predicted.sum())
         g = h
     stats.loss = float(total.detach())
