@@ -197,9 +197,9 @@ def main() -> int:
     ap.add_argument("--keep", default=None, help="keep the stores in this directory (default: a temp dir)")
     args = ap.parse_args()
 
-    from draftsmith.data.capture import CaptureConfig, capture
     from draftsmith.data.store import estimate_bytes_per_token
-    from draftsmith.target import load_target
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.capture import CaptureConfig, capture
 
     torch.set_num_threads(args.threads)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-data-"))

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from draftsmith.cli import encode_prompt, stop_token_ids
-from draftsmith.decode import ChainSpec, SpeculativeDecoder, TreeSpec
-from draftsmith.drafter import new_drafter
-from draftsmith.target import load_target
+from draftsmith.data.chat import encode_prompt, stop_token_ids
+from draftsmith.model.drafter import new_drafter
+from draftsmith.model.target import load_target
+from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
 
 PROMPTS = [
     "Write a short poem about the ocean.",

@@ -9,12 +9,12 @@ greedy answers to random word questions, as tests/conftest.py does):
 
 1. Split the conversations by a hash of their id into a training set and ``--held-out`` conversations
    that are never captured nor trained on (the file is snapshotted first: another process may be writing it).
-2. Capture the training set twice with ``draftsmith.data.capture``, ``CaptureConfig(dtype="bf16")`` and
+2. Capture the training set twice with ``draftsmith.stages.capture``, ``CaptureConfig(dtype="bf16")`` and
    ``dtype="fp8"`` (e4m3, one float32 scale per token row), everything else equal. Compare the two
    stores: bytes per token on disk, relative RMS error of the fp8 features against the bf16 ones, and
    how often the teacher's argmax (lm_head of the stored final hidden state, what the trainer learns)
    changes under fp8.
-3. Train one drafter per store and per seed with identical ``draftsmith.train`` configs (offline mode;
+3. Train one drafter per store and per seed with identical ``draftsmith.stages.train`` configs (offline mode;
    the seed fixes init and data order, the eval split is by id hash, so a pair differs only in features).
 4. Measure each drafter (``--drafter best``, what the pipeline ships, or ``final``) with
    ``SpeculativeDecoder`` (chain k = ``--chain``, greedy) on the held-out prompts (and optionally the first
@@ -69,8 +69,8 @@ def specforge_payload(width: int, num_aux: int = 3) -> int:
 # --- data -----------------------------------------------------------------------------------------------
 def tiny_conversations(target, path: Path, n: int, seed: int, new_tokens: int) -> Path:
     """Conversations whose assistant turns are the tiny target's own greedy answers (what EAGLE trains on)."""
-    from draftsmith.cli import encode_prompt, stop_token_ids
-    from draftsmith.decode import SpeculativeDecoder
+    from draftsmith.data.chat import encode_prompt, stop_token_ids
+    from draftsmith.stages.decode import SpeculativeDecoder
 
     rng = random.Random(seed)
     tok = target.tokenizer
@@ -126,8 +126,8 @@ def prompt_of(tokenizer, messages: list[dict]) -> list[int]:
 
 # --- stores ---------------------------------------------------------------------------------------------
 def capture_stores(target, train_jsonl: Path, work: Path, args) -> dict:
-    from draftsmith.data.capture import CaptureConfig, capture
     from draftsmith.data.store import FeatureStore, estimate_bytes_per_token
+    from draftsmith.stages.capture import CaptureConfig, capture
 
     stores = {}
     for dtype in DTYPES:
@@ -158,7 +158,7 @@ def compare_stores(target_name: str, stores: dict) -> dict:
     from safetensors.torch import load_file
 
     from draftsmith.data.store import FeatureStore
-    from draftsmith.target import load_target_heads
+    from draftsmith.model.target import load_target_heads
 
     bf, f8 = (FeatureStore(stores[d]["path"], out_dtype=torch.float32) for d in DTYPES)
     lm_head = load_target_heads(target_name, dtype=torch.float32).lm_head_weight.float()
@@ -184,8 +184,8 @@ def compare_stores(target_name: str, stores: dict) -> dict:
 
 # --- train and measure ----------------------------------------------------------------------------------
 def train_one(args, store: str, out: Path, seed: int) -> dict:
-    from draftsmith.train import load_config, train
-    from draftsmith.ttt import simulated_acceptance_length
+    from draftsmith.model.ttt import simulated_acceptance_length
+    from draftsmith.stages.train import load_config, train
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = load_config(None, dict(target=args.target, store=store, out=str(out), max_steps=args.max_steps,
@@ -212,10 +212,10 @@ def simulated_on_store(args, drafter_dir: Path, store: str) -> float | None:
     The trainer evaluates an fp8-trained drafter against the fp8 store's own (quantised) teacher; this puts
     both drafters in front of the same bf16 features and teacher, so the difference is the drafter's alone."""
     from draftsmith.data.store import FeatureStore
-    from draftsmith.drafter import load_drafter
-    from draftsmith.target import load_target_heads
-    from draftsmith.train import StoreSource, evaluate, load_config, split_eval
-    from draftsmith.ttt import simulated_acceptance_length, teacher_targets
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.model.target import load_target_heads
+    from draftsmith.model.ttt import simulated_acceptance_length, teacher_targets
+    from draftsmith.stages.train import StoreSource, evaluate, load_config, split_eval
 
     fs = FeatureStore(store, out_dtype=torch.float32)
     _, eval_idx = split_eval(fs.sample_ids, args.eval_fraction)
@@ -235,8 +235,8 @@ def simulated_on_store(args, drafter_dir: Path, store: str) -> float | None:
 
 
 def measure(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> dict:
-    from draftsmith.bench import decode_prompts
-    from draftsmith.decode import ChainSpec, SpeculativeDecoder
+    from draftsmith.app.bench import decode_prompts
+    from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
 
     m, _ = decode_prompts(SpeculativeDecoder(target, drafter, ChainSpec(k)), prompts, max_new_tokens)
     return {"tau": m.acceptance_length, "prompts": len(prompts), "tokens": m.tokens, "verify_passes": m.verify_passes,
@@ -325,15 +325,15 @@ def main() -> int:
         ap.error("--conversations is required with a target other than tiny")
     torch.set_num_threads(args.threads)
 
-    from draftsmith.drafter import load_drafter
-    from draftsmith.target import load_target
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.model.target import load_target
 
     t0 = time.perf_counter()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     if tiny:
-        from draftsmith.models import save_tiny_target
+        from draftsmith.testing.models import save_tiny_target
 
         args.target = str(save_tiny_target(work / "target"))
     target = load_target(args.target)
@@ -351,7 +351,7 @@ def main() -> int:
     log("== capture: bf16 and fp8 stores of the same conversations ==")
     stores = capture_stores(target, train_jsonl, work, args)
     from draftsmith.data.store import FeatureStore
-    from draftsmith.train import split_eval
+    from draftsmith.stages.train import split_eval
 
     trainer_train, trainer_eval = split_eval(FeatureStore(stores["bf16"]["path"]).sample_ids, args.eval_fraction)
     log(f"  trainer split: {len(trainer_train)} train, {len(trainer_eval)} eval (simulated tau) conversations")
@@ -364,8 +364,8 @@ def main() -> int:
 
     prompts = {"held_out": [prompt_of(target.tokenizer, r["messages"]) for r in held]}
     if args.mtbench:
-        from draftsmith.bench import load_prompts
-        from draftsmith.cli import encode_prompt
+        from draftsmith.data.chat import encode_prompt
+        from draftsmith.data.prompts import load_prompts
 
         try:
             mt = load_prompts("mt-bench", args.mtbench, turns=1)

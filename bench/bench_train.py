@@ -124,7 +124,7 @@ def stage_data(args, work: Path) -> tuple[Path, Path, dict]:
 
 def train_run(args, store: Path, out: Path, *, ttt_steps: int, steps: int, eval_every: int, eval_fraction: float,
               lr: float, warmup: int):
-    from draftsmith.train import load_config, read_metrics, train
+    from draftsmith.stages.train import load_config, read_metrics, train
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = load_config(None, dict(target=args.target, store=str(store), out=str(out), ttt_steps=ttt_steps,
@@ -162,7 +162,7 @@ def stage_throughput(args, store: Path, work: Path) -> list[dict]:
 
 def held_out_prompts(tokenizer, conversations: Path, eval_ids: set[str]) -> list[list[int]]:
     """The held-out conversations' first user turn, rendered as the generation prompt the target answered."""
-    from draftsmith.cli import encode_prompt
+    from draftsmith.data.chat import encode_prompt
 
     out = []
     for line in conversations.read_text().splitlines():
@@ -174,8 +174,8 @@ def held_out_prompts(tokenizer, conversations: Path, eval_ids: set[str]) -> list
 
 
 def measure_tau(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> dict:
-    from draftsmith.bench import decode_prompts
-    from draftsmith.decode import ChainSpec, SpeculativeDecoder
+    from draftsmith.app.bench import decode_prompts
+    from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
 
     m, results = decode_prompts(SpeculativeDecoder(target, drafter, ChainSpec(k)), prompts, max_new_tokens)
     return {"prompts": len(prompts), "tokens": m.tokens, "verify_passes": m.verify_passes, "accepted": m.accepted,
@@ -185,13 +185,13 @@ def measure_tau(target, drafter, prompts: list[list[int]], k: int, max_new_token
 
 
 def stage_quality(args, store: Path, conversations: Path, work: Path) -> dict:
-    from draftsmith.bench import load_prompts
-    from draftsmith.cli import encode_prompt
+    from draftsmith.data.chat import encode_prompt
+    from draftsmith.data.prompts import load_prompts
     from draftsmith.data.store import FeatureStore
-    from draftsmith.drafter import load_drafter
-    from draftsmith.target import load_target
-    from draftsmith.train import split_eval
-    from draftsmith.ttt import simulated_acceptance_length
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.model.ttt import simulated_acceptance_length
+    from draftsmith.stages.train import split_eval
 
     out = work / "runs" / "quality"
     result, metrics, wall = train_run(args, store, out, ttt_steps=args.train_ttt, steps=args.train_steps,

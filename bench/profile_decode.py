@@ -16,11 +16,12 @@ from collections import defaultdict
 
 import torch
 
-from draftsmith.bench import decode_prompts, load_prompts, speedup_bound
-from draftsmith.cli import encode_prompt, stop_token_ids
-from draftsmith.decode import ChainSpec, SpeculativeDecoder, TreeSpec
-from draftsmith.drafter import load_drafter
-from draftsmith.target import load_target
+from draftsmith.app.bench import decode_prompts, speedup_bound
+from draftsmith.data.chat import encode_prompt, stop_token_ids
+from draftsmith.data.prompts import load_prompts
+from draftsmith.model.drafter import load_drafter
+from draftsmith.model.target import load_target
+from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
 
 
 def _wrap(module: torch.nn.Module, label: str, clock: dict[str, float]) -> None:

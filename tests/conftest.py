@@ -10,10 +10,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
-from draftsmith.decode import SpeculativeDecoder
-from draftsmith.drafter import Eagle3Drafter, new_drafter
-from draftsmith.models import build_tiny_model
-from draftsmith.target import Target
+from draftsmith.model.drafter import Eagle3Drafter, new_drafter
+from draftsmith.model.target import Target
+from draftsmith.stages.decode import SpeculativeDecoder
+from draftsmith.testing.models import build_tiny_model
 
 torch.set_num_threads(1)
 
@@ -79,7 +79,7 @@ WORDS = _TEXT.split()
 
 
 def save_tiny_chat_model(path, arch: str = "llama", style: str = "chatml", seed: int = 0, **overrides):
-    from draftsmith.models import save_tiny_target
+    from draftsmith.testing.models import save_tiny_target
 
     return save_tiny_target(path, arch, style, seed=seed, **overrides)
 

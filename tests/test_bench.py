@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.bench import diverged_at_tie, speedup_bound
-from draftsmith.decode import SpeculativeDecoder
-from draftsmith.models import build_tiny_model
-from draftsmith.target import Target
+from draftsmith.app.bench import diverged_at_tie, speedup_bound
+from draftsmith.model.target import Target
+from draftsmith.stages.decode import SpeculativeDecoder
+from draftsmith.testing.models import build_tiny_model
 
 
 def test_speedup_bound_is_tau_times_step_over_round():

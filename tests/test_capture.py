@@ -20,8 +20,13 @@ import pytest
 import torch
 
 from draftsmith.cli import main
-from draftsmith.data import store as store_mod
-from draftsmith.data.capture import (
+from draftsmith.core import io as io_mod
+from draftsmith.core.fingerprint import tokenizer_fingerprint
+from draftsmith.core.vocab import VOCAB_FILE, VocabError, load_vocab, load_vocab_file, save_vocab, validate
+from draftsmith.data.chat import parse_record, tokenize_conversation
+from draftsmith.data.store import MANIFEST_NAME, FeatureStore, StoreMismatch
+from draftsmith.model.target import Target, load_target
+from draftsmith.stages.capture import (
     CaptureConfig,
     batched_features,
     build_vocab,
@@ -29,13 +34,8 @@ from draftsmith.data.capture import (
     check_store_matches_target,
     count_store_tokens,
 )
-from draftsmith.data.chat import parse_record, tokenize_conversation
-from draftsmith.data.store import MANIFEST_NAME, FeatureStore, StoreMismatch
-from draftsmith.fingerprint import tokenizer_fingerprint
-from draftsmith.models import build_tiny_model
-from draftsmith.target import Target, load_target
-from draftsmith.tiny_tokenizer import make_tokenizer
-from draftsmith.vocab import VOCAB_FILE, VocabError, load_vocab, load_vocab_file, save_vocab, validate
+from draftsmith.testing.models import build_tiny_model
+from draftsmith.testing.tokenizer import make_tokenizer
 
 MAX_LEN = 200
 WORDS = [
@@ -202,7 +202,7 @@ def test_batched_equals_unbatched(tiny: dict[str, Any], tmp_path: Path) -> None:
 
 
 def test_max_tokens_per_batch_bounds_padding(tiny: dict[str, Any], tmp_path: Path) -> None:
-    from draftsmith.data.capture import _plan_batches
+    from draftsmith.stages.capture import _plan_batches
 
     lengths = [5, 50, 7, 48, 6, 49, 200]
     batches = _plan_batches(lengths, batch_size=3, max_tokens=120)
@@ -287,7 +287,7 @@ def _console(*args: str) -> list[str]:
 
 _SLOW_CAPTURE = textwrap.dedent("""
     import sys, time
-    from draftsmith import target as t
+    from draftsmith.model import target as t
     forward = t.Target.forward
     def slow(self, *a, **k):
         time.sleep(0.2)
@@ -352,7 +352,7 @@ def test_disk_full_is_one_line_and_store_stays_valid(tiny: dict[str, Any], tmp_p
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "s"
-    real = store_mod._write_file_durably
+    real = io_mod.write_file_durably
     calls = {"n": 0}
 
     def flaky(path: Path, data: bytes) -> None:
@@ -361,7 +361,7 @@ def test_disk_full_is_one_line_and_store_stays_valid(tiny: dict[str, Any], tmp_p
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(store_mod, "_write_file_durably", flaky)
+    monkeypatch.setattr(io_mod, "write_file_durably", flaky)
     argv = ["capture", "--target", str(tiny["dir"]), "--conversations", str(tiny["conv"]), "--out", str(out),
             "--max-length", str(MAX_LEN), "--shard-mb", "0.0001", "--no-progress", "--draft-vocab-size", "64"]
     assert main(argv) == 1
@@ -371,7 +371,7 @@ def test_disk_full_is_one_line_and_store_stays_valid(tiny: dict[str, Any], tmp_p
     store.verify()
     assert len(store) == 2
 
-    monkeypatch.setattr(store_mod, "_write_file_durably", real)
+    monkeypatch.setattr(io_mod, "write_file_durably", real)
     assert main(argv) == 0
     assert "already stored 2" in capsys.readouterr().out
     assert sorted(FeatureStore(out).sample_ids) == sorted(CAPTURABLE)

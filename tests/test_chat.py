@@ -23,7 +23,7 @@ from draftsmith.data.chat import (
     tokenize_conversation,
     user_turn_prefix,
 )
-from draftsmith.tiny_tokenizer import SMOLLM2_SYSTEM, STYLES, make_tokenizer
+from draftsmith.testing.tokenizer import SMOLLM2_SYSTEM, STYLES, make_tokenizer
 
 EOT = {
     "llama3": "<|eot_id|>",

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from draftsmith.cli import main
-from draftsmith.drafter import new_drafter
-from draftsmith.models import build_tiny_model
-from draftsmith.target import Target
-from draftsmith.tiny_tokenizer import make_tokenizer
+from draftsmith.model.drafter import new_drafter
+from draftsmith.model.target import Target
+from draftsmith.testing.models import build_tiny_model
+from draftsmith.testing.tokenizer import make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_plain_and_speculative_json_agree(model_dir, capsys, tmp_path):
     assert code == 0 and chain["mode"] == "chain" and chain["token_ids"] == plain["token_ids"]
 
     # A saved drafter directory loads and decodes identically with a tree.
-    from draftsmith.target import load_target
+    from draftsmith.model.target import load_target
 
     new_drafter(load_target(model_dir)).save(tmp_path / "drafter")
     code, out, _ = _run(capsys, *args, "--json", "--drafter", str(tmp_path / "drafter"), "--tree", "3,2,6")

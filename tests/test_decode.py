@@ -10,7 +10,9 @@ import torch
 from conftest import fit_drafter, random_prompts, tiny_target
 from scipy.stats import chisquare
 
-from draftsmith.decode import (
+from draftsmith.model.drafter import new_drafter
+from draftsmith.model.target import Target
+from draftsmith.stages.decode import (
     ChainSpec,
     NgramSpec,
     SamplingParams,
@@ -20,9 +22,7 @@ from draftsmith.decode import (
     logits_to_probs,
     ngram_propose,
 )
-from draftsmith.drafter import new_drafter
-from draftsmith.models import build_tiny_model
-from draftsmith.target import Target
+from draftsmith.testing.models import build_tiny_model
 
 LOSSLESS_ARCHS = ["llama", "qwen2", "deepseek_v3"]
 LAYERS = 4  # the decoder logic does not depend on depth; 4 layers keep 50-prompt sweeps quick

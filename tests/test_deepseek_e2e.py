@@ -22,19 +22,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith.models import (
-    VLLM_CPU_MLA,
-    as_kimi_k2,
-    save_tiny_deepseek_target,
-    tiny_chat_corpus,
-)
-from draftsmith.target import load_target
+from draftsmith.model.target import load_target
+from draftsmith.testing.models import VLLM_CPU_MLA, as_kimi_k2, save_tiny_deepseek_target, tiny_chat_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SCRIPTS = Path(__file__).parent / "vllm_scripts"
 needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM venv at {VLLM_PYTHON} (make vllm-env)")
-HAS_DOCTOR = importlib.util.find_spec("draftsmith.doctor") is not None
+HAS_DOCTOR = importlib.util.find_spec("draftsmith.stages.doctor") is not None
 
 # End-to-end sizes: about 4 minutes on 2 busy CPU cores (most of it fitting the target and the drafter).
 TARGET_STEPS = 200  # fit the tiny target to tiny_chat_corpus so its greedy answers vary (random: one repeated token)
@@ -163,9 +158,9 @@ def test_load_target_reads_a_kimi_k2_config(tiny_dirs):
 # --- fast: doctor ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def random_drafter(tiny_dirs, tmp_path_factory):
-    from draftsmith import vocab as vocab_mod
-    from draftsmith.drafter import new_drafter
-    from draftsmith.export import export_drafter
+    from draftsmith.core import vocab as vocab_mod
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.stages.export import export_drafter
 
     root = tmp_path_factory.mktemp("deepseek-drafter")
     target = load_target(tiny_dirs["deepseek_v3"])
@@ -188,14 +183,14 @@ def _doctor(target: Path, drafter: Path, *extra: str, python: Path | None = None
     return report
 
 
-@pytest.mark.skipif(not HAS_DOCTOR, reason="draftsmith.doctor is not written yet")
+@pytest.mark.skipif(not HAS_DOCTOR, reason="draftsmith.stages.doctor is not written yet")
 def test_doctor_finds_nothing_blocking_for_the_pair(tiny_dirs, random_drafter):
     for form in ("deepseek_v3", "kimi_k2"):
         report = _doctor(tiny_dirs[form], random_drafter)  # no vLLM in this venv: its 0.32 facts table
         assert not report["blocking"], report["findings"]
 
 
-@pytest.mark.skipif(not HAS_DOCTOR, reason="draftsmith.doctor is not written yet")
+@pytest.mark.skipif(not HAS_DOCTOR, reason="draftsmith.stages.doctor is not written yet")
 def test_doctor_reports_both_seed_failures_for_the_wrapper_on_an_older_engine(tiny_dirs, random_drafter):
     report = _doctor(tiny_dirs["kimi_k25_wrapper"], random_drafter, "--engine-version", "0.11")
     errors = {f["id"]: f for f in report["findings"] if f["severity"] == "error"}
@@ -210,12 +205,12 @@ def test_doctor_reports_both_seed_failures_for_the_wrapper_on_an_older_engine(ti
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
     """Target -> generate -> capture (+ vocab) -> train -> export, and draftsmith's own acceptance. ~3 min."""
-    from draftsmith.data.capture import CaptureConfig, run_capture
-    from draftsmith.data.generate import GenerateConfig, generate
-    from draftsmith.decode import ChainSpec, SpeculativeDecoder
-    from draftsmith.drafter import load_drafter
-    from draftsmith.export import export_drafter
-    from draftsmith.train import load_config, train
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.stages.capture import CaptureConfig, run_capture
+    from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
+    from draftsmith.stages.export import export_drafter
+    from draftsmith.stages.generate import GenerateConfig, generate
+    from draftsmith.stages.train import load_config, train
 
     root = tmp_path_factory.mktemp("deepseek-e2e")
     seconds = {}
@@ -308,7 +303,7 @@ def test_pipeline_captures_the_moe_mla_stack_and_trains_a_drafter(e2e):
 
 @pytest.mark.slow
 @needs_vllm
-@pytest.mark.skipif(not HAS_DOCTOR, reason="draftsmith.doctor is not written yet")
+@pytest.mark.skipif(not HAS_DOCTOR, reason="draftsmith.stages.doctor is not written yet")
 def test_doctor_against_the_installed_vllm(e2e):
     """doctor run in the vLLM venv reads the installed vLLM's source: nothing blocks the trained pair."""
     for target in (e2e["target_dir"], e2e["kimi_dir"]):

@@ -6,18 +6,20 @@ import json
 
 import torch
 
-from draftsmith.bench import load_prompts
+from draftsmith.app.demo import PRESETS, run_demo
+from draftsmith.core.vocab import load_vocab
+from draftsmith.data.prompts import load_prompts
 from draftsmith.data.store import FeatureStore
-from draftsmith.decode import ChainSpec, SpeculativeDecoder
-from draftsmith.demo import PRESETS, run_demo
-from draftsmith.drafter import load_drafter
-from draftsmith.target import load_target
-from draftsmith.vocab import load_vocab
+from draftsmith.model.drafter import load_drafter
+from draftsmith.model.target import load_target
+from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
+from draftsmith.testing.models import save_tiny_target
 
 
 def test_tiny_demo_pipeline(tmp_path):
     work = tmp_path / "demo"
-    result = run_demo("tiny", work, progress=False)
+    save_tiny_target(work / "target")
+    result = run_demo("tiny", work, target=str(work / "target"), progress=False)
     preset = PRESETS["tiny"]
     # Every stage left its artefact.
     lines = (work / "conversations.jsonl").read_text().splitlines()
@@ -40,7 +42,7 @@ def test_tiny_demo_pipeline(tmp_path):
     # bench's acceptance equals the decoder's own count on the same prompts.
     drafter = load_drafter(work / "run" / "best", target)
     tok = target.tokenizer
-    from draftsmith.cli import stop_token_ids
+    from draftsmith.data.chat import stop_token_ids
 
     accepted = passes = 0
     decoder = SpeculativeDecoder(target, drafter, ChainSpec(preset.chain))
@@ -65,6 +67,6 @@ def test_tiny_demo_pipeline(tmp_path):
             assert abs(m["speedup_bound"] - m["acceptance_length"] * plain["step_time"] / per_round) < 1e-9
 
     # Rerunning resumes: nothing is generated, captured or trained again.
-    again = run_demo("tiny", work, progress=False)
+    again = run_demo("tiny", work, target=str(work / "target"), progress=False)
     assert again["bench"][f"eagle3 chain k={preset.chain}"]["acceptance_length"] == chain["acceptance_length"]
     assert again["seconds"]["train"] < result["seconds"]["train"] + 1

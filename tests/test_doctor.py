@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import vocab as vocab_mod
 from draftsmith.cli import main
-from draftsmith.doctor import DoctorUsageError, HFSource, diagnose, read_safetensors_header, read_small_tensor
+from draftsmith.core import vocab as vocab_mod
 from draftsmith.integrations import vllm as vi
+from draftsmith.stages.doctor import DoctorUsageError, HFSource, diagnose, read_safetensors_header, read_small_tensor
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
@@ -265,8 +265,8 @@ def test_decoder_layers_found_from_transformers_source(name, path):
 
 def test_static_layer_path_agrees_with_a_real_model():
     """The ast reading of transformers' source names the same path find_decoder_layers finds on the module."""
-    from draftsmith.models import build_tiny_model
-    from draftsmith.target import find_decoder_layers
+    from draftsmith.model.target import find_decoder_layers
+    from draftsmith.testing.models import build_tiny_model
 
     hf = HFSource.installed()
     for arch in ("llama", "mixtral", "kimi_k25_wrapper", "gemma3_wrapper"):
@@ -328,7 +328,7 @@ def test_tokenizer_vocab_size(tmp_path):
 
 
 def test_tokenizer_json_size_counts_vocab_and_added_tokens(tmp_path):
-    from draftsmith.tiny_tokenizer import make_tokenizer
+    from draftsmith.testing.tokenizer import make_tokenizer
 
     t = fixture("llama", tmp_path)
     tok = make_tokenizer("chatml")

@@ -9,9 +9,9 @@ import torch
 from conftest import tiny_target
 from safetensors.torch import load_file, save_file
 
-from draftsmith import vocab as vocab_mod
-from draftsmith.drafter import DrafterError, KVCache, load_drafter, new_drafter
-from draftsmith.target import Target
+from draftsmith.core import vocab as vocab_mod
+from draftsmith.model.drafter import DrafterError, KVCache, load_drafter, new_drafter
+from draftsmith.model.target import Target
 
 EXPECTED_WEIGHTS = {
     "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",

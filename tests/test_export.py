@@ -21,10 +21,11 @@ import torch
 from conftest import fit_drafter, random_prompts, tiny_target
 from safetensors.torch import load_file, save_file
 
-from draftsmith import vocab as vocab_mod
 from draftsmith.cli import main
-from draftsmith.drafter import load_drafter, new_drafter
-from draftsmith.export import (
+from draftsmith.core import vocab as vocab_mod
+from draftsmith.model.drafter import load_drafter, new_drafter
+from draftsmith.model.target import Target
+from draftsmith.stages.export import (
     MANIFEST_FILE,
     ExportError,
     detect_format,
@@ -34,8 +35,7 @@ from draftsmith.export import (
     read_checkpoint,
     to_sglang_layer_ids,
 )
-from draftsmith.models import build_tiny_model
-from draftsmith.target import Target
+from draftsmith.testing.models import build_tiny_model
 
 FORMATS = ("sglang", "vllm", "speculators")
 VERIFIER = "org/tiny-llama"

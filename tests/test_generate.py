@@ -18,7 +18,8 @@ import torch
 
 from draftsmith.cli import main
 from draftsmith.data.chat import read_jsonl
-from draftsmith.data.generate import (
+from draftsmith.model.target import Target, load_target
+from draftsmith.stages.generate import (
     GenerateConfig,
     GenerateError,
     LocalBackend,
@@ -27,9 +28,8 @@ from draftsmith.data.generate import (
     generate,
     plan_turns,
 )
-from draftsmith.models import build_tiny_model
-from draftsmith.target import Target, load_target
-from draftsmith.tiny_tokenizer import make_tokenizer
+from draftsmith.testing.models import build_tiny_model
+from draftsmith.testing.tokenizer import make_tokenizer
 
 MAX_NEW = 6
 
@@ -225,7 +225,7 @@ def test_batched_generation_matches_one_by_one(tmp_path, target):
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.7), (5, 0.8)])
 def test_local_sampler_draws_the_target_distribution(target, top_k, top_p):
     """The question sampler keeps only top-k/top-p candidates; its draws must follow decode's reference."""
-    from draftsmith.decode import SamplingParams, logits_to_probs
+    from draftsmith.stages.decode import SamplingParams, logits_to_probs
 
     backend = LocalBackend(target)
     logits = torch.tensor([2.0, -3.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0], dtype=torch.float64)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from draftsmith.core import io as io_mod
 from draftsmith.data import store as store_mod
 from draftsmith.data.store import (
     MANIFEST_NAME,
@@ -422,7 +423,7 @@ def test_kill9_then_resume(tmp_path: Path) -> None:
 
 def _failing_writes(monkeypatch: pytest.MonkeyPatch, match: str) -> None:
     """Simulate ENOSPC on files whose name contains `match`: half the bytes land, then the error."""
-    real = store_mod._write_file_durably
+    real = io_mod.write_file_durably
 
     def fake(path: Path, data: bytes) -> None:
         if match in path.name:
@@ -430,7 +431,7 @@ def _failing_writes(monkeypatch: pytest.MonkeyPatch, match: str) -> None:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(store_mod, "_write_file_durably", fake)
+    monkeypatch.setattr(io_mod, "write_file_durably", fake)
 
 
 def test_disk_full_during_shard_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,8 +7,7 @@ import torch
 from conftest import tiny_target
 from torch import nn
 
-from draftsmith.models import TINY_ARCHITECTURES, build_tiny_model
-from draftsmith.target import (
+from draftsmith.model.target import (
     SupportsEagle3,
     Target,
     TargetError,
@@ -17,6 +16,7 @@ from draftsmith.target import (
     find_decoder_layers,
     validate_aux_layers,
 )
+from draftsmith.testing.models import TINY_ARCHITECTURES, build_tiny_model
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
@@ -91,7 +91,7 @@ def test_bad_aux_layers_rejected(layers, message):
 def test_bad_aux_layers_rejected_before_loading_weights(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.target import load_target
+    from draftsmith.model.target import load_target
 
     build_tiny_model("llama").save_pretrained(tmp_path)
 
@@ -114,7 +114,7 @@ def test_unfindable_layers_error_names_class_and_search():
 
 
 def test_missing_and_non_model_paths(tmp_path):
-    from draftsmith.target import load_target
+    from draftsmith.model.target import load_target
 
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_target(tmp_path / "nope")

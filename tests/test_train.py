@@ -13,11 +13,11 @@ import torch
 from conftest import save_tiny_chat_model, self_generated_conversations, tiny_target
 from safetensors.torch import load_file
 
-from draftsmith.decode import ChainSpec, SpeculativeDecoder
-from draftsmith.drafter import KVCache, load_drafter, new_drafter
-from draftsmith.target import load_target
-from draftsmith.train import TrainConfig, TrainError, load_config, train
-from draftsmith.ttt import TTTBatch, simulated_acceptance_length, target_argmax, teacher_targets, ttt_forward
+from draftsmith.model.drafter import KVCache, load_drafter, new_drafter
+from draftsmith.model.target import load_target
+from draftsmith.model.ttt import TTTBatch, simulated_acceptance_length, target_argmax, teacher_targets, ttt_forward
+from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
+from draftsmith.stages.train import TrainConfig, TrainError, load_config, train
 
 
 def test_ttt_unroll_equals_inference_drafting():
@@ -43,7 +43,7 @@ def test_ttt_unroll_equals_inference_drafting():
 
 def _dense_ttt_loss(drafter, batch, teacher, ttt_steps, decay=0.8):
     """The TTT loss written plainly: the head over every column, masked afterwards (slow, obviously right)."""
-    from draftsmith.ttt import _shift
+    from draftsmith.model.ttt import _shift
 
     probs, argmax, in_draft = teacher
     hidden: list[torch.Tensor] = []
@@ -179,8 +179,8 @@ def test_unknown_config_key_names_closest(tmp_path):
 
 
 def test_autocast_setting():
-    from draftsmith.target import bf16_native
-    from draftsmith.train import use_autocast
+    from draftsmith.model.target import bf16_native
+    from draftsmith.stages.train import use_autocast
 
     cpu = torch.device("cpu")
     assert use_autocast("bf16", cpu) and not use_autocast("off", cpu)
@@ -188,7 +188,7 @@ def test_autocast_setting():
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(workspace, tmp_path, monkeypatch):
-    import draftsmith.train as train_mod
+    import draftsmith.stages.train as train_mod
 
     real = train_mod.ttt_forward
     calls = {"n": 0}

@@ -81,7 +81,7 @@ def _word_level_target(path: Path) -> Path:
     """
     from transformers import AutoTokenizer
 
-    from draftsmith.models import save_tiny_target
+    from draftsmith.testing.models import save_tiny_target
 
     save_tiny_target(path, "llama", "chatml", seed=1, num_attention_heads=2, num_key_value_heads=1,
                      initializer_range=0.1)
@@ -149,12 +149,12 @@ def word_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(word_target, tmp_path_factory):
     """generate (local backend, greedy) -> train (online, TTT 3 steps) -> export vllm / speculators / controls."""
-    from draftsmith.data.generate import GenerateConfig, generate
-    from draftsmith.drafter import new_drafter
-    from draftsmith.export import export_drafter, read_checkpoint
-    from draftsmith.target import load_target
-    from draftsmith.train import load_config, train
-    from draftsmith.vocab import DraftVocab
+    from draftsmith.core.vocab import DraftVocab
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.export import export_drafter, read_checkpoint
+    from draftsmith.stages.generate import GenerateConfig, generate
+    from draftsmith.stages.train import load_config, train
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("vllm-drafter")
@@ -219,8 +219,8 @@ def test_vllm_acceptance_matches_draftsmith(trained, word_target):
     Measured on this machine: identical (difference 0.000) for the vllm and the speculators exports.
     The negative controls (shuffled d2t, untrained drafter) must fail this very comparison.
     """
-    from draftsmith.decode import ChainSpec, SpeculativeDecoder
-    from draftsmith.drafter import load_drafter
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
 
     root, target, exports, train_result = trained
     tok = target.tokenizer
@@ -348,7 +348,7 @@ def vllm_server(word_target, tmp_path_factory):
 def test_generate_openai_backend_against_vllm_serve(vllm_server, word_target, tmp_path):
     """Every input line ends as done / error / skipped; the server's rejection of an over-long prompt is one
     counted error with its line and reason, not a crash; the served answers equal the local backend's."""
-    from draftsmith.data.generate import GenerateConfig, errors_path, generate
+    from draftsmith.stages.generate import GenerateConfig, errors_path, generate
 
     long_prompt = " ".join(["green blue small"] * 150)  # ~450 tokens > --max-model-len 256
     lines = [
@@ -406,7 +406,7 @@ def test_generate_vllm_backend_equals_local(word_target, tmp_path, monkeypatch):
     """Greedy answers from vLLM's offline engine are the local backend's token for token (float32, several
     turns); a prompt past --max-input-length is one counted error; self-prompting writes distinct questions;
     the engine's output goes to a log beside the output, not into the records."""
-    from draftsmith.data.generate import GenerateConfig, generate
+    from draftsmith.stages.generate import GenerateConfig, generate
 
     for k, v in _engine_env().items():
         monkeypatch.setenv(k, v)

@@ -244,8 +244,8 @@ def _vllm_env_or_skip() -> None:
 def _fit_drafter(target, sequences: list[list[int]], draft_vocab_size: int, steps: int = 150):
     """A drafter fitted (TTT, 3 steps) to the target's own greedy continuations, with a reduced vocabulary so the
     checkpoint carries a real d2t (the layout vLLM loads)."""
-    from draftsmith import vocab as vocab_mod
-    from draftsmith.drafter import new_drafter
+    from draftsmith.core import vocab as vocab_mod
+    from draftsmith.model.drafter import new_drafter
 
     t = max(map(len, sequences))
     ids = torch.zeros(len(sequences), t, dtype=torch.long)
@@ -294,9 +294,9 @@ def test_plugin_makes_mixtral_eagle3_capable_in_vllm(tmp_path):
     _vllm_env_or_skip()
     from conftest import random_prompts, save_tiny_chat_model
 
-    from draftsmith.decode import SpeculativeDecoder
-    from draftsmith.doctor import diagnose
-    from draftsmith.target import load_target
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.decode import SpeculativeDecoder
+    from draftsmith.stages.doctor import diagnose
 
     # vLLM's CPU attention wants head_dim 32/64/...: hidden 128 over 4 heads.
     target_dir = save_tiny_chat_model(tmp_path / "mixtral", arch="mixtral", hidden_size=128, num_attention_heads=4,

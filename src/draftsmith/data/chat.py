@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.errors import DraftsmithError
+
 __all__ = [
     "ROLES",
     "ChatFormat",
@@ -39,7 +41,10 @@ __all__ = [
     "chat_format",
     "conversation_id",
     "encode_rendered",
+    "encode_prompt",
     "end_of_turn_texts",
+    "stop_token_ids",
+    "stop_tokens",
     "parse_record",
     "read_jsonl",
     "tokenize_conversation",
@@ -68,15 +73,15 @@ _ASSISTANT_PROBE = "dsprobeA7f3a9c"
 _SYSTEM_PROBE = "dsprobeS7f3a9c"
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(DraftsmithError, ValueError):
     """The tokenizer's chat template is missing, fails to render, or hides the assistant's content."""
 
 
-class EmptyConversation(ValueError):
+class EmptyConversation(DraftsmithError, ValueError):
     """Nothing to learn from: no messages, no assistant content, or no assistant token left."""
 
 
-class SequenceTooLong(ValueError):
+class SequenceTooLong(DraftsmithError, ValueError):
     """The tokenized conversation exceeds `max_length` and truncation was not allowed."""
 
     def __init__(self, length: int, max_length: int) -> None:
@@ -85,7 +90,7 @@ class SequenceTooLong(ValueError):
         self.max_length = max_length
 
 
-class RecordError(ValueError):
+class RecordError(DraftsmithError, ValueError):
     """A JSONL line that is not a JSON object (bad JSON, bad UTF-8); carries the 1-based line number."""
 
     def __init__(self, message: str, line_no: int, path: str | None = None) -> None:
@@ -641,3 +646,46 @@ def end_of_turn_texts(tokenizer: Any) -> list[str]:
     eos; duplicates removed, order kept.
     """
     return list(chat_format(tokenizer).stop_texts)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stopping: one definition for generate, decode and bench
+
+
+def stop_tokens(tokenizer: Any, extra_eos: Any = None) -> tuple[set[int], list[str]]:
+    """Where an assistant turn ends: (token ids, texts that are more than one token).
+
+    eos (and `extra_eos`, e.g. a generation config's), plus the template's end-of-turn texts found by
+    probing it (`end_of_turn_texts`): single tokens as ids, longer ones as text for engines that stop on
+    strings. A tokenizer without a chat template stops on eos only.
+    """
+    ids: set[int] = set()
+    for c in (tokenizer.eos_token_id, extra_eos):
+        for x in c if isinstance(c, list | tuple) else [c]:
+            if x is not None:
+                ids.add(int(x))
+    texts: list[str] = []
+    if getattr(tokenizer, "chat_template", None):
+        for text in end_of_turn_texts(tokenizer):
+            enc = tokenizer.encode(text, add_special_tokens=False)
+            if len(enc) == 1:
+                ids.add(int(enc[0]))
+            else:
+                texts.append(text)
+    return ids, texts
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """The token ids a decoder stops on (see `stop_tokens`), sorted."""
+    return sorted(stop_tokens(tokenizer)[0])
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    """A user prompt as token ids: wrapped in the chat template as one user turn, or as plain text."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ChatTemplateError(f"--chat: tokenizer {tokenizer.name_or_path!r} has no chat template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]

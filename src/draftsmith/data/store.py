@@ -30,7 +30,6 @@ One writer per store at a time (enforced with an advisory lock where ``fcntl`` e
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -44,10 +43,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
 
-try:  # advisory single-writer lock; absent on Windows, where we simply skip it
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None  # type: ignore[assignment]
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import ExclusiveLock, LockHeld, atomic_write, sha256_file
 
 __all__ = [
     "FORMAT_NAME",
@@ -58,6 +55,7 @@ __all__ = [
     "StoreCorrupt",
     "StoreError",
     "StoreMismatch",
+    "StoreLocked",
     "StoreWriteError",
     "estimate_bytes_per_token",
 ]
@@ -76,7 +74,7 @@ _DTYPES: tuple[str, ...] = ("bf16", "fp8")
 _MISSING = object()
 
 
-class StoreError(Exception):
+class StoreError(DraftsmithError):
     """Base class for feature-store errors."""
 
 
@@ -86,6 +84,10 @@ class StoreMismatch(StoreError):
 
 class StoreCorrupt(StoreError):
     """A shard or the manifest does not match what was recorded (checksum, size, missing file)."""
+
+
+class StoreLocked(StoreError):
+    """Another writer holds the store; rerunning while it runs cannot help."""
 
 
 class StoreWriteError(StoreError):
@@ -99,59 +101,6 @@ def estimate_bytes_per_token(hidden_size: int, num_aux: int = 3, dtype: StoreDty
     rows = num_aux + 1  # aux rows + the final hidden state
     per_row = hidden_size * 2 if dtype == "bf16" else hidden_size + 2  # fp8 payload + bf16 scale
     return 4 + 1 + rows * per_row
-
-
-# --------------------------------------------------------------------------------------------------
-# Durable file helpers. `_write_file_durably` is the single place bytes hit disk, so tests can
-# monkeypatch it to simulate ENOSPC.
-
-
-def _write_file_durably(path: Path, data: bytes) -> None:
-    """Write and fsync `path`; the caller renames it into place afterwards."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Persist a rename: without this, a power cut can forget the new directory entry."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms that cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:  # pragma: no cover - some file systems refuse fsync on directories
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """temp file + fsync + os.replace + directory fsync: readers see the old or the new file, never half."""
-    tmp = _tmp_name(path)
-    try:
-        _write_file_durably(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _sha256_file(path: Path, chunk: int = 4 * 1024 * 1024) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _normalise_json(value: Any) -> Any:
@@ -261,7 +210,7 @@ class FeatureStoreWriter:
         self._pending_ids: set[str] = set()
         self._pending_bytes = 0
         self._closed = False
-        self._lock_fd: int | None = None
+        self._lock: ExclusiveLock | None = None
 
         self.root.mkdir(parents=True, exist_ok=True)
         self._acquire_lock()
@@ -275,21 +224,15 @@ class FeatureStoreWriter:
 
     def _acquire_lock(self) -> None:
         """Two writers on one root would delete each other's in-flight shards during cleanup."""
-        if fcntl is None:  # pragma: no cover
-            return
-        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            raise StoreError(f"another FeatureStoreWriter holds {self.root}: {e}") from e
-        self._lock_fd = fd
+            self._lock = ExclusiveLock(self.root / LOCK_NAME, "this feature store's writer lock")
+        except LockHeld as e:
+            raise StoreLocked(f"another FeatureStoreWriter holds {self.root}: {e.__cause__}") from e
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._lock_fd)  # closing releases the flock
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _open_store(self) -> None:
         manifest = _read_manifest(self.root)
@@ -692,7 +635,7 @@ class FeatureStore:
         size = path.stat().st_size
         if size != shard["bytes"]:
             raise StoreCorrupt(f"shard {shard['file']} has {size} bytes, manifest says {shard['bytes']}")
-        digest = _sha256_file(path)
+        digest = sha256_file(path)
         if digest != shard["sha256"]:
             raise StoreCorrupt(f"shard {shard['file']} sha256 mismatch: file {digest}, manifest {shard['sha256']}")
         self._verified.add(shard["file"])

@@ -39,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.core.conventions import speculative_config
+
 logger = logging.getLogger(__name__)
 
 PLUGIN_ENV = "DRAFTSMITH_VLLM_PLUGIN"  # "0" turns the plugin off
@@ -797,11 +799,6 @@ def supports_eagle3_by_import(arch: str) -> bool | None:
 
 
 # --- serving -----------------------------------------------------------------------------------------------
-def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict:
-    return {"method": "eagle3", "model": str(Path(drafter).expanduser().resolve()),
-            "num_speculative_tokens": int(num_speculative_tokens)}
-
-
 def serve_command(target: str | Path, drafter: str | Path, num_speculative_tokens: int = 3, *,
                   port: int | None = None, extra_args: Sequence[str] = (), vllm_bin: str = "vllm") -> list[str]:
     """The exact ``vllm serve`` argv for an EAGLE-3 pair (paths made absolute: vLLM may run elsewhere)."""
@@ -826,7 +823,7 @@ def serve(target: str | Path, drafter: str | Path, num_speculative_tokens: int =
 
     Returns the exit code: 1 refused or vLLM's own exit code, 0 for a dry run that would launch.
     """
-    from draftsmith.doctor import diagnose
+    from draftsmith.stages.doctor import diagnose
 
     out = out or sys.stdout
     err = err or sys.stderr

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from draftsmith import vocab as vocab_mod
-from draftsmith.drafter import Eagle3Drafter, load_drafter, new_drafter
-from draftsmith.train_config import _RESUMABLE, TrainConfig, TrainError, config_hash, load_config  # noqa: F401
-from draftsmith.ttt import (
+from draftsmith.core import vocab as vocab_mod
+from draftsmith.core.conventions import default_aux_layers
+from draftsmith.model.drafter import Eagle3Drafter, load_drafter, new_drafter
+from draftsmith.model.ttt import (
     TTTBatch,
     TTTStats,
     simulated_acceptance_length,
@@ -35,6 +35,7 @@ from draftsmith.ttt import (
     teacher_targets,
     ttt_forward,
 )
+from draftsmith.stages.train_config import _RESUMABLE, TrainConfig, TrainError, config_hash, load_config  # noqa: F401
 
 
 # --- data -------------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def _resolve_dtype(cfg: TrainConfig) -> torch.dtype:
 
 def use_autocast(setting: str, device: torch.device) -> bool:
     """bf16 autocast pays where bf16 matmuls are native (1.4x tokens/s over fp32 on an AMX CPU core)."""
-    from draftsmith.target import bf16_native
+    from draftsmith.model.target import bf16_native
 
     return setting == "bf16" if setting != "auto" else bf16_native(device)
 
@@ -182,7 +183,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     # Data and the target pieces it needs.
     if cfg.store is not None:
         from draftsmith.data.store import FeatureStore
-        from draftsmith.target import load_target_heads
+        from draftsmith.model.target import load_target_heads
 
         store = FeatureStore(cfg.store, out_dtype=compute_dtype)
         heads = load_target_heads(cfg.target, device=str(device), dtype=compute_dtype)
@@ -192,7 +193,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         vocab_path = Path(cfg.vocab) if cfg.vocab else Path(cfg.store) / "vocab.safetensors"
         dv = vocab_mod.load_vocab(vocab_path, heads.vocab_size) if vocab_path.is_file() else None
     else:
-        from draftsmith.target import heads_of, load_target
+        from draftsmith.model.target import heads_of, load_target
 
         target = load_target(cfg.target, device=str(device), dtype=dtype)
         heads = heads_of(target)
@@ -371,8 +372,8 @@ def _vocab_from_items(source: OnlineSource, vocab_size: int, draft_vocab_size: i
 
 def _check_store(store, heads, cfg: TrainConfig) -> None:
     """Refuse a store captured from another target (unless forced): it would train on the wrong features."""
-    from draftsmith.data.capture import check_store_matches_target
     from draftsmith.data.store import StoreMismatch
+    from draftsmith.stages.capture import check_store_matches_target
 
     try:
         check_store_matches_target(store, heads, force=cfg.force)
@@ -388,8 +389,7 @@ def _build_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
 
     from types import SimpleNamespace
 
-    from draftsmith.fingerprint import config_fingerprint
-    from draftsmith.target import default_aux_layers
+    from draftsmith.core.fingerprint import config_fingerprint
 
     n_layers = int(heads.config.num_hidden_layers)
     fingerprint = {"config_sha256": config_fingerprint(heads.config), "hidden_size": heads.hidden_size,

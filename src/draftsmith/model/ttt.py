@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.drafter import Eagle3Drafter
+from draftsmith.model.drafter import Eagle3Drafter
 
 
 @dataclass

@@ -16,10 +16,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from draftsmith.core.conventions import speculative_config
+from draftsmith.core.errors import UsageError
+
 
 @dataclass(frozen=True)
 class Preset:
-    target: str  # a model path, 'smollm2', or 'tiny' (a random tiny Llama built in the workdir)
+    target: str  # a model path or 'smollm2'; 'tiny' means the caller must pass a tiny model
     conversations: int
     answer_tokens: int
     question_tokens: int
@@ -72,14 +75,14 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     """
     import torch
 
-    from draftsmith.data.capture import CaptureConfig, capture
-    from draftsmith.data.generate import GenerateConfig, generate
-    from draftsmith.export import export_drafter
-    from draftsmith.target import bf16_native, load_target
-    from draftsmith.train import load_config, train
+    from draftsmith.model.target import bf16_native, load_target
+    from draftsmith.stages.capture import CaptureConfig, capture
+    from draftsmith.stages.export import export_drafter
+    from draftsmith.stages.generate import GenerateConfig, generate
+    from draftsmith.stages.train import load_config, train
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     p = replace(PRESETS[preset], **({"target": target} if target else {}), **overrides)
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -88,11 +91,8 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
 
     target_path = p.target
     if p.target == "tiny":
-        from draftsmith.models import save_tiny_target
-
-        target_path = str(work / "target")
-        if not (work / "target" / "config.json").is_file():
-            save_tiny_target(target_path)
+        raise UsageError("preset 'tiny' runs on a tiny model, for tests: pass --target DIR "
+                         "(draftsmith.testing.models.save_tiny_target(DIR) builds one)")
     t = _stage(f"load target {target_path}")
     dtype = getattr(torch, p.dtype) if p.dtype != "auto" else (torch.bfloat16 if bf16_native("cpu") else torch.float32)
     tgt = load_target(target_path, dtype=dtype)
@@ -100,7 +100,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
 
     engine = f"vLLM ({vllm_python})" if vllm_python else "the local backend"
     t = _stage(f"1/5 generate: {p.conversations} self-prompted conversations with {engine}")
-    if not vllm_python and p.target != "tiny":
+    if not vllm_python and preset != "tiny":
         print("no --vllm-python: generating in-process, several times slower than vLLM's engine "
               "(`make vllm-env` installs one)", file=sys.stderr)
     backend = {"backend": "vllm", "vllm_python": vllm_python, "target": target_path,
@@ -108,7 +108,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     summary = generate(GenerateConfig(out=work / "conversations.jsonl", self_prompt=p.conversations,
                                       max_new_tokens=p.answer_tokens, question_max_new_tokens=p.question_tokens,
                                       question_top_p=1.0, question_top_k=50, seed=0, progress=progress,
-                                      question_allow_unfinished=p.target == "tiny", **backend), target=tgt)
+                                      question_allow_unfinished=preset == "tiny", **backend), target=tgt)
     print(summary, file=sys.stderr)
     times["generate"] = time.perf_counter() - t
 
@@ -190,9 +190,9 @@ def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, ou
 
 def serve_command(target: str, drafter_dir: Path, k: int) -> str:
     """The `vllm serve` line that would serve this target with the exported drafter."""
-    from draftsmith.models import resolve_model_path
+    from draftsmith.model.sources import resolve_model_path
 
-    spec = json.dumps({"method": "eagle3", "model": str(Path(drafter_dir).resolve()), "num_speculative_tokens": k})
+    spec = json.dumps(speculative_config(drafter_dir, k))
     return f"vllm serve {resolve_model_path(target)[0].resolve()} --speculative-config '{spec}'"
 
 

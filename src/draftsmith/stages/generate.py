@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.data.chat import (
     Conversation,
     EmptyConversation,
@@ -44,6 +45,7 @@ from draftsmith.data.chat import (
     encode_rendered,
     end_of_turn_texts,
     read_jsonl,
+    stop_tokens,
     user_turn_prefix,
 )
 
@@ -63,11 +65,11 @@ __all__ = [
 BackendName = Literal["local", "vllm", "openai"]
 
 
-class GenerateError(ValueError):
+class GenerateError(DraftsmithError, ValueError):
     """A run that cannot start: bad options, an unusable target or tokenizer, an unreachable server."""
 
 
-class ServerError(RuntimeError):
+class ServerError(DraftsmithError, RuntimeError):
     """One request failed for good: rejected by the server (4xx) or still failing after the retries."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
@@ -328,24 +330,7 @@ class _TokenBackend:
         self.max_positions = max_positions
         limits = [x for x in (max_input_length, self.max_positions and self.max_positions - 1) if x]
         self.max_input_length = min(limits) if limits else None
-        self.stop_ids, self.stop_texts = self._stops(extra_eos)
-
-    def _stops(self, extra_eos: Any) -> tuple[set[int], list[str]]:
-        """eos ids (tokenizer, generation config) and end-of-turn texts: single tokens as ids, others as text."""
-        tok = self.tokenizer
-        ids: set[int] = set()
-        for c in (tok.eos_token_id, extra_eos):
-            for x in c if isinstance(c, list | tuple) else [c]:
-                if x is not None:
-                    ids.add(int(x))
-        texts: list[str] = []
-        for text in end_of_turn_texts(tok):
-            enc = tok.encode(text, add_special_tokens=False)
-            if len(enc) == 1:
-                ids.add(int(enc[0]))
-            else:
-                texts.append(text)
-        return ids, texts
+        self.stop_ids, self.stop_texts = stop_tokens(tokenizer, extra_eos)
 
     def generate_ids(self, prompts: list[list[int]], sampling: _Sampling,
                      seeds: list[int]) -> list[tuple[list[int], str]]:
@@ -1030,13 +1015,13 @@ def _load_backend(cfg: GenerateConfig, target: Any | None) -> _Backend:
         if target is None:
             import torch
 
-            from draftsmith.target import load_target
+            from draftsmith.model.target import load_target
 
             dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
             target = load_target(cfg.target, device=cfg.device, dtype=dtype)
         return LocalBackend(target, batch_size=cfg.batch_size, max_input_length=cfg.max_input_length)
     if cfg.backend == "vllm":
-        from draftsmith.models import resolve_model_path
+        from draftsmith.model.sources import resolve_model_path
 
         model_dir, gguf = resolve_model_path(cfg.target)
         if gguf is not None:
@@ -1071,7 +1056,7 @@ def _load_backend(cfg: GenerateConfig, target: Any | None) -> _Backend:
 def generate(config: GenerateConfig, *, target: Any | None = None) -> GenerateSummary:
     """Run one generation pass (resuming an earlier one) and return how every input line ended.
 
-    `target` lets a caller reuse a loaded `draftsmith.target.Target` for the local backend. Raises
+    `target` lets a caller reuse a loaded `draftsmith.model.target.Target` for the local backend. Raises
     GenerateError/FileNotFoundError for unusable options or inputs before generating anything.
     """
     cfg = config

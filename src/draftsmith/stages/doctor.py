@@ -22,6 +22,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from draftsmith.core.conventions import (
+    OPTIONAL_WEIGHTS,
+    REQUIRED_WEIGHTS,
+    canonical_weight_name,
+    default_aux_layers,
+    from_sglang_layer_ids,
+)
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.integrations import vllm as vllm_facts
 from draftsmith.integrations.vllm import PySource
 
@@ -32,19 +40,14 @@ ENGINES = ("vllm", "sglang", "draftsmith")
 # registers, and that its loader skips weight names it does not know without a word.
 SGLANG_DRAFTER_ARCHS = frozenset({"LlamaForCausalLMEagle3"})
 
-_LAYER_PARAMS = (
-    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-)
-_REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", *(f"layers.0.{p}" for p in _LAYER_PARAMS))
-_OPTIONAL = ("embed_tokens.weight", "d2t", "t2d")
+_REQUIRED = REQUIRED_WEIGHTS
+_OPTIONAL = OPTIONAL_WEIGHTS
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
                     "spiece.model")
 _SMALL_TENSOR_BYTES = 64 << 20  # d2t/t2d of any real vocabulary fit far below this
 
 
-class DoctorUsageError(ValueError):
+class DoctorUsageError(DraftsmithError, ValueError):
     """Arguments doctor cannot work with (no such directory, unknown engine): exit code 2."""
 
 
@@ -207,7 +210,7 @@ def diagnose(target: str | Path, drafter: str | Path | None = None, *, engine: s
 def _target_dir(target: str | Path) -> Path:
     p = Path(target).expanduser()
     if str(target) == "smollm2" and not p.exists():  # the embedded default (converted once to a directory)
-        from draftsmith.models import ensure_smollm2
+        from draftsmith.model.sources import ensure_smollm2
 
         return ensure_smollm2()
     if not p.exists():
@@ -372,7 +375,7 @@ class _Doctor:
         self.add("target.decoder-layers", sev, f"draftsmith cannot find the decoder layers of this model ({err}); "
                  "capture and online training hook the layers to read aux hidden states", evidence,
                  "check that the model is a decoder-only LM (or a wrapper with a text_config); add its layer path "
-                 "to draftsmith.target._KNOWN_LAYER_PATHS if it keeps them somewhere unusual")
+                 "to draftsmith.model.target._KNOWN_LAYER_PATHS if it keeps them somewhere unusual")
 
     # -- tokenizer --
     def _check_tokenizer(self) -> None:
@@ -489,7 +492,7 @@ class _Doctor:
 
     # -- drafter --
     def _load_drafter(self) -> bool:
-        from draftsmith.export import detect_format
+        from draftsmith.stages.export import detect_format
 
         d = self.drafter
         try:
@@ -578,12 +581,12 @@ class _Doctor:
         for key, have in (("num_layers", self.num_layers), ("hidden_size", th), ("vocab_size", tv)):
             if fp.get(key) is not None and have is not None and fp[key] != have:
                 self.add("drafter.target-fingerprint", "error", f"the drafter was made for a target with {key} "
-                         f"{fp[key]}, this one has {have}", f"drafter config.json: draftsmith.target.{key} = "
+                         f"{fp[key]}, this one has {have}", f"drafter config.json: draftsmith.model.target.{key} = "
                          f"{fp[key]}", "pass the target the drafter was trained on, or train one for this target")
                 break
 
     def _check_drafter_architecture(self, arch: str | None) -> None:
-        from draftsmith.export import LLAMA_EAGLE3_ARCHITECTURES
+        from draftsmith.stages.export import LLAMA_EAGLE3_ARCHITECTURES
 
         where = "drafter config.json: architectures[0]"
         if self.dformat == "speculators":
@@ -694,12 +697,11 @@ class _Doctor:
         n = self.num_layers
         if not isinstance(n, int):
             return
-        from draftsmith.target import default_aux_layers
 
         c = self.dcfg
         top = [int(i) for i in c.get("eagle_aux_hidden_state_layer_ids") or []]
         nested_raw = [int(i) for i in (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []]
-        nested = [i + 1 for i in nested_raw]  # SGLang's "output of layer i" = input of layer i + 1
+        nested = from_sglang_layer_ids(nested_raw)
         default = list(default_aux_layers(n)) if n >= 3 else []
         ours = (self.draw.get("draftsmith") or {}).get("aux_layer_convention") == "input_of_layer"
         where = "drafter config.json"
@@ -749,7 +751,7 @@ class _Doctor:
             self.add("aux.unknown", "info", f"the drafter records no aux layer ids: {self.engine} uses the target's "
                      f"default {default}", f"{where}: no eagle_aux_hidden_state_layer_ids",
                      "record the ids the drafter was trained on (draftsmith import --aux-layers)")
-        if trained and default and not ours and [i + 1 for i in trained] == default:
+        if trained and default and not ours and from_sglang_layer_ids(trained) == default:
             self.add("aux.off-by-one", "warning", f"the ids {trained} are each one below the default {default}: "
                      "they look like SGLang's output-of-layer ids written where input-of-layer ids belong",
                      f"{where}: aux ids {trained} for a {n}-layer target",
@@ -781,7 +783,7 @@ class _Doctor:
     def _check_vocab_mapping(self) -> None:
         import torch
 
-        from draftsmith import vocab as vocab_mod
+        from draftsmith.core import vocab as vocab_mod
 
         if self.weights is None or not isinstance(self.d_draft_vocab, int):
             return
@@ -844,10 +846,7 @@ def _canonical(weights: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     """draftsmith's names for a checkpoint's tensors (``midlayer.`` -> ``layers.0.``, no ``model.`` prefix)."""
     out = {}
     for k, v in weights.items():
-        name = k.removeprefix("model.")
-        if name.startswith("midlayer."):
-            name = "layers.0." + name.removeprefix("midlayer.")
-        out[name] = v
+        out[canonical_weight_name(k)] = v
     return out
 
 
@@ -891,7 +890,7 @@ def _meta_layers_path(directory: Path) -> tuple[str | None, str | None]:
         import torch
         import transformers
 
-        from draftsmith.target import TargetError, find_decoder_layers, text_config_of
+        from draftsmith.model.target import TargetError, find_decoder_layers, text_config_of
 
         cfg = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 (any failure is the finding)

@@ -38,9 +38,20 @@ from pathlib import Path
 import torch
 
 from draftsmith import __version__
-from draftsmith import vocab as vocab_mod
-from draftsmith.data.store import atomic_write
-from draftsmith.drafter import WEIGHTS_FILE, DrafterConfig, Eagle3Drafter
+from draftsmith.core import vocab as vocab_mod
+from draftsmith.core.conventions import (
+    MIDLAYER_PREFIX,
+    REQUIRED_WEIGHTS,
+    ConventionError,
+    canonical_weight_name,
+    from_sglang_layer_ids,
+    is_drafter_weight,
+    reference_weight_name,
+    speculative_config,
+    to_sglang_layer_ids,
+)
+from draftsmith.core.io import atomic_write
+from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig, Eagle3Drafter
 
 EXPORT_FORMATS = ("sglang", "vllm", "speculators")
 IMPORT_FORMATS = ("eagle", "sglang", "vllm", "speculators", "draftsmith")
@@ -60,27 +71,10 @@ LLAMA_EAGLE3_ARCHITECTURES = {
 # Config switches of EAGLE-3 variants whose computation draftsmith's drafter does not implement.
 _UNSUPPORTED_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias", "bias")
 
-_LAYER = "layers.0."
-_MIDLAYER = "midlayer."
 
 
-class ExportError(ValueError):
+class ExportError(ConventionError):
     """A drafter that cannot be written in (or read from) a layout without losing something."""
-
-
-# --- aux layer id conventions ---------------------------------------------------------------------------
-def to_sglang_layer_ids(ids) -> list[int]:
-    """vLLM/draftsmith ids (input of layer L) -> SGLang's ``eagle_config`` ids (output of layer L-1)."""
-    out = [int(i) - 1 for i in ids]
-    if any(i < 0 for i in out):
-        raise ExportError(f"aux layer ids {list(ids)} include layer 0 (the embedding output), which SGLang's "
-                          "convention cannot express (its loader adds one to every id)")
-    return out
-
-
-def from_sglang_layer_ids(ids) -> list[int]:
-    """SGLang's ``eagle_config`` ids (output of layer i) -> vLLM/draftsmith ids (input of layer i+1)."""
-    return [int(i) + 1 for i in ids]
 
 
 # --- the canonical in-memory checkpoint -----------------------------------------------------------------
@@ -154,7 +148,7 @@ class ExportReport:
                          f"--speculative-draft-model-path {self.path} --speculative-num-steps {k} "
                          f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
         elif self.format == "vllm":
-            spec = json.dumps({"method": "eagle3", "model": str(self.path), "num_speculative_tokens": k})
+            spec = json.dumps(speculative_config(self.path, k))
             lines.append(f"serve: vllm serve TARGET --speculative-config '{spec}'")
         else:
             lines.append(f"serve: vllm serve {self.path}")
@@ -225,7 +219,7 @@ def export_drafter(
             notes.append("the drafter's width differs from the target's: SGLang versions that hand EAGLE-3 "
                          "drafters the target's embedding cannot serve it; check yours")
         config = _sglang_config(ckpt)
-        state = {_MIDLAYER + k.removeprefix(_LAYER) if k.startswith(_LAYER) else k: v for k, v in state.items()}
+        state = {reference_weight_name(k): v for k, v in state.items()}
         if cfg.draft_vocab_size == cfg.vocab_size:  # identity mapping: vLLM refuses a d2t on a full vocabulary
             state.pop("d2t")
             state.pop("t2d")
@@ -249,7 +243,7 @@ def export_drafter(
         "source_format": ckpt.source_format,
         "aux_layer_ids": list(cfg.aux_layer_ids) if ckpt.aux_known else None,
         "aux_layer_ids_convention": "input of layer L (vLLM, speculators, draftsmith)",
-        "aux_layer_ids_sglang": [i - 1 for i in cfg.aux_layer_ids] if ckpt.aux_known and min(cfg.aux_layer_ids) > 0
+        "aux_layer_ids_sglang": to_sglang_layer_ids(cfg.aux_layer_ids) if ckpt.aux_known and min(cfg.aux_layer_ids) > 0
         else None,
         "aux_layer_ids_sglang_convention": "output of layer i (SGLang eagle_config; its loader adds 1)",
         "dtype": {"from": _dtype_name(ckpt.dtype), "to": _dtype_name(target_dtype)},
@@ -397,7 +391,7 @@ def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: di
 
 def target_embeddings(target: str | Path, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The target's input embedding table, read from its safetensors without loading the model."""
-    from draftsmith.target import load_target_heads
+    from draftsmith.model.target import load_target_heads
 
     return load_target_heads(target, dtype=dtype or torch.float32).embed_tokens.weight.detach()
 
@@ -481,7 +475,7 @@ def detect_format(path: str | Path) -> str:
         return "vllm"
     if "eagle_config" in raw:
         return "sglang"
-    if any(k.startswith(_MIDLAYER) for k in _weight_names(path)):
+    if any(k.startswith(MIDLAYER_PREFIX) for k in _weight_names(path)):
         return "eagle"
     if "eagle_aux_hidden_state_layer_ids" in raw:
         return "vllm"
@@ -615,7 +609,7 @@ def _aux_ids(flat: dict, path: Path, notes: list[str]) -> list[int]:
     if top and nested and top != nested:
         raise ExportError(
             f"{path}: the config names two different aux layer sets: top-level eagle_aux_hidden_state_layer_ids "
-            f"{top} (vLLM reads these as input of layer L) and eagle_config's {[i - 1 for i in nested]} (SGLang "
+            f"{top} (vLLM reads these as input of layer L) and eagle_config's {to_sglang_layer_ids(nested)} (SGLang "
             f"adds one: {nested}). Pass the ones the drafter was trained on (--aux-layers, input-of-layer ids)")
     return top or nested or []
 
@@ -670,33 +664,21 @@ def _torch_load(f: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-_KNOWN = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"}
-_LAYER_PARAMS = {
-    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-}
-
-
 def _canonical_names(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
     """``midlayer.`` -> ``layers.0.``, drop a leading ``model.``; refuse names draftsmith has no place for."""
     out: dict[str, torch.Tensor] = {}
     for k, v in state.items():
-        name = k.removeprefix("model.")
-        if name.startswith(_MIDLAYER):
-            name = _LAYER + name.removeprefix(_MIDLAYER)
+        name = canonical_weight_name(k)
         if name.endswith("rotary_emb.inv_freq"):  # a recomputed buffer some trainers save
             continue
         if name in out:
             raise ExportError(f"{path}: tensor {name} appears twice (as {k} and another name)")
         out[name] = v
-    unknown = sorted(k for k in out if k not in _KNOWN and not (k.startswith(_LAYER)
-                                                                and k.removeprefix(_LAYER) in _LAYER_PARAMS))
+    unknown = sorted(k for k in out if not is_drafter_weight(k))
     if unknown:
         raise ExportError(f"{path}: tensors draftsmith's EAGLE-3 drafter has no place for: {unknown[:8]}"
                           + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
-    missing = sorted({"fc.weight", "norm.weight", "lm_head.weight"} - set(out)
-                     | {_LAYER + p for p in _LAYER_PARAMS} - set(out))
+    missing = sorted(set(REQUIRED_WEIGHTS) - set(out))
     if missing:
         raise ExportError(f"{path}: missing tensors {missing}")
     return out

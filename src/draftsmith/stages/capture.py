@@ -46,6 +46,8 @@ from typing import Any, Literal
 import torch
 
 from draftsmith import __version__
+from draftsmith.core.fingerprint import tokenizer_fingerprint
+from draftsmith.core.vocab import VOCAB_FILE, VocabError, count_tokens, from_counts, save_vocab
 from draftsmith.data.chat import (
     ChatTemplateError,
     EmptyConversation,
@@ -55,8 +57,6 @@ from draftsmith.data.chat import (
     tokenize_conversation,
 )
 from draftsmith.data.store import LOCK_NAME, MANIFEST_NAME, FeatureStore, FeatureStoreWriter
-from draftsmith.fingerprint import tokenizer_fingerprint
-from draftsmith.vocab import VOCAB_FILE, VocabError, count_tokens, from_counts, save_vocab
 
 __all__ = [
     "MATCH_KEYS",
@@ -487,7 +487,7 @@ def capture(target, tokenizer, config: CaptureConfig) -> CaptureReport:
 
 def run_capture(config: CaptureConfig) -> CaptureReport:
     """``draftsmith capture``: validate the config, load the target, capture, build the draft vocab."""
-    from draftsmith.target import load_target
+    from draftsmith.model.target import load_target
 
     config.validate()  # before the (possibly long) target load
     dtype = getattr(torch, config.target_dtype) if config.target_dtype else None
@@ -529,7 +529,7 @@ def build_vocab(store: FeatureStore | str | Path, draft_vocab_size: int = 32000,
     one in the store's target fingerprint. The file goes to ``<store>/vocab.safetensors`` by default and
     is re-read and validated before returning.
     """
-    from draftsmith.vocab import load_vocab_file
+    from draftsmith.core.vocab import load_vocab_file
 
     if draft_vocab_size < 1:
         raise ValueError(f"--draft-vocab-size must be >= 1, got {draft_vocab_size}")
@@ -567,8 +567,8 @@ def _target_identity(target, stored: Any) -> dict[str, Any]:
     trainer loads it) the fields its config determines; fields it cannot know are taken as stored."""
     if callable(getattr(target, "fingerprint", None)):
         return target.fingerprint()
-    from draftsmith.fingerprint import config_fingerprint
-    from draftsmith.target import text_config_of
+    from draftsmith.core.fingerprint import config_fingerprint
+    from draftsmith.model.target import text_config_of
 
     config = text_config_of(target.config)
     ours = {"config_sha256": config_fingerprint(config), "num_layers": int(config.num_hidden_layers),

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.drafter import Eagle3Drafter, KVCache
-from draftsmith.target import Target, cache_keep
+from draftsmith.model.drafter import Eagle3Drafter, KVCache
+from draftsmith.model.target import Target, cache_keep
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class SpeculativeDecoder:
             raise ValueError(f"{type(spec).__name__} drafting needs a drafter")
         self.target, self.drafter, self.spec = target, drafter, spec
         if drafter is not None:
-            from draftsmith.drafter import check_fits
+            from draftsmith.model.drafter import check_fits
 
             check_fits(drafter.config, target)
         self._stop_ids: set[int] = set()

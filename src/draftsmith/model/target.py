@@ -17,6 +17,9 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from draftsmith.core.conventions import default_aux_layers
+from draftsmith.core.errors import DraftsmithError
+
 # Attribute paths where known decoder families keep their layer list, tried before a generic search.
 _KNOWN_LAYER_PATHS = (
     "model.layers",  # Llama, Qwen2/3, Mistral, Mixtral, Gemma 2/3, Phi-3, DeepSeek-V3
@@ -32,7 +35,7 @@ _KNOWN_LAYER_PATHS = (
 )
 
 
-class TargetError(ValueError):
+class TargetError(DraftsmithError, ValueError):
     """A target that cannot be used: bad path, unknown structure, bad aux layer ids."""
 
 
@@ -45,17 +48,6 @@ class SupportsEagle3(Protocol):
     def set_aux_hidden_state_layers(self, layers: Sequence[int]) -> None: ...
 
     def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]: ...
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """The field's default (2, N//2, N-3); spread evenly when N is too small for it to be distinct."""
-    layers = (2, num_layers // 2, num_layers - 3)
-    if len(set(layers)) == 3 and all(0 <= x < num_layers for x in layers):
-        return layers
-    if num_layers < 3:
-        raise TargetError(f"a target needs at least 3 decoder layers for EAGLE-3, this one has {num_layers}")
-    step = (num_layers - 1) / 2
-    return (0, round(step), num_layers - 1)
 
 
 def validate_aux_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -242,7 +234,7 @@ class Target:
 
     def fingerprint(self) -> dict:
         """What identifies this target for later stages (a store or drafter made for another refuses)."""
-        from draftsmith.fingerprint import config_fingerprint
+        from draftsmith.core.fingerprint import config_fingerprint
 
         return {
             "architecture": type(self.model).__name__,
@@ -369,7 +361,7 @@ def load_target(
     """Load a target from a model directory, a GGUF file, or the name of the embedded default."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from draftsmith.models import resolve_model_path
+    from draftsmith.model.sources import resolve_model_path
 
     dtype = dtype or default_dtype(device)
     model_dir, gguf_file = resolve_model_path(path)
@@ -462,7 +454,7 @@ def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dty
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from draftsmith.models import resolve_model_path
+    from draftsmith.model.sources import resolve_model_path
 
     dtype = dtype or default_dtype(device)
     model_dir, gguf = resolve_model_path(path)

@@ -10,8 +10,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.core.errors import DraftsmithError
 
-class TrainError(ValueError):
+
+class TrainError(DraftsmithError, ValueError):
     """A run that cannot start or continue: bad config, mismatched store or resume directory, NaN loss."""
 
 

@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_write
 
-class VocabError(ValueError):
+
+class VocabError(DraftsmithError, ValueError):
     """A d2t/t2d pair that does not describe a valid draft vocabulary."""
 
 
@@ -134,7 +137,6 @@ def save_vocab(path, vocab: DraftVocab, counts: torch.Tensor, metadata: dict[str
          "counts": counts.cpu().contiguous()},
         metadata=meta,
     )
-    from draftsmith.data.store import atomic_write
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
