@@ -34,3 +34,69 @@ def test_diverged_at_tie_tells_rounding_ties_from_real_differences():
     assert not diverged_at_tie(target, prompt, plain, plain[:j] + [twin])
     # One output a prefix of the other (a stop token in one only) is not a tie.
     assert not diverged_at_tie(target, prompt, plain, plain[:j])
+
+
+# --- issue 19.7: nonsense options and empty prompt sets are one-line errors with exit code 2 ----------------
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bench_dirs(tmp_path_factory):
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.testing.tokenizer import make_tokenizer
+
+    root = tmp_path_factory.mktemp("bench")
+    tok = make_tokenizer("chatml")
+    model = build_tiny_model("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id, num_hidden_layers=4)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    new_drafter(load_target(root / "model")).save(root / "drafter")
+    (root / "one.jsonl").write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    (root / "bad.jsonl").write_text("{not json\n" + json.dumps({"messages": []}) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--turns", "0"], "--turns must be >= 1"),
+    (["--chain", "0"], "chain length must be >= 1, got 0"),
+    (["--chain", "65"], "at most 64"),
+    (["--tree", "3,600,10"], "draft vocabulary"),
+    (["--prompt-lookup", "-1"], "--prompt-lookup must be >= 0"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--datasets", "{bad}"], "no usable prompt"),
+])
+def test_bench_bad_input_one_line_exit_2(bench_dirs, capsys, tmp_path, args, message):
+    from draftsmith.cli import main
+
+    argv = ["bench", "--target", str(bench_dirs / "model"), "--drafter", str(bench_dirs / "drafter"),
+            "--datasets", str(bench_dirs / "one.jsonl"), "--max-new-tokens", "2", "--out", str(tmp_path / "b"),
+            "--no-progress"]
+    for a in args:  # later flags win with argparse; "{bad}" names the all-invalid JSONL
+        argv.append(a.replace("{bad}", str(bench_dirs / "bad.jsonl")))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, out
+    assert message in err and err.startswith("draftsmith: error:") and len(err.strip().splitlines()) == 1
+    assert out == "" and not (tmp_path / "b").exists()
+
+
+def test_run_bench_refuses_an_empty_prompt_set_before_decoding(bench_dirs):
+    from draftsmith.app.bench import run_bench
+    from draftsmith.core.errors import UsageError
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.decode import ChainSpec
+
+    target = load_target(bench_dirs / "model")
+    drafter = load_drafter(bench_dirs / "drafter", target)
+    with pytest.raises(UsageError, match=r"bad\.jsonl: no usable prompt"):
+        run_bench(target, drafter, [str(bench_dirs / "bad.jsonl")], [ChainSpec(2)], progress=False)
+    with pytest.raises(UsageError, match="max_new_tokens must be >= 1"):
+        run_bench(target, drafter, [str(bench_dirs / "one.jsonl")], [ChainSpec(2)], max_new_tokens=-1,
+                  progress=False)

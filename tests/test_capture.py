@@ -24,7 +24,7 @@ from draftsmith.core import io as io_mod
 from draftsmith.core.fingerprint import tokenizer_fingerprint
 from draftsmith.core.vocab import VOCAB_FILE, VocabError, load_vocab, load_vocab_file, save_vocab, validate
 from draftsmith.data.chat import parse_record, tokenize_conversation
-from draftsmith.data.store import MANIFEST_NAME, FeatureStore, StoreMismatch
+from draftsmith.data.store import MANIFEST_NAME, FeatureStore, StoreCorrupt, StoreMismatch
 from draftsmith.model.target import Target, load_target
 from draftsmith.stages.capture import (
     CaptureConfig,
@@ -478,3 +478,40 @@ def test_store_fingerprint_mismatch_refused_unless_forced(tiny: dict[str, Any], 
     with pytest.warns(UserWarning, match="force"):
         diffs = check_store_matches_target(out, other_model, other_tok, force=True)
     assert "target_fingerprint" in diffs and "tokenizer_fingerprint" in diffs
+
+
+def test_vocab_refuses_a_corrupt_store(tiny: dict[str, Any], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Rewritten input_ids bytes or a cut shard: one line, exit 2, never silently wrong counts or a traceback."""
+    import shutil
+
+    out = tmp_path / "s"
+    capture(tiny["target"], tiny["tok"], cfg(tiny, out, limit=4, draft_vocab_size=None))
+    store = FeatureStore(out)
+    shard = out / store.shards[0]["file"]
+    vocab_size = tiny["target"].vocab_size
+
+    flipped = tmp_path / "flipped"
+    shutil.copytree(out, flipped)
+    from safetensors import safe_open
+
+    with safe_open(str(shard), framework="pt") as h:
+        ids = h.get_tensor("0.input_ids")
+    data = bytearray((flipped / shard.name).read_bytes())
+    at = data.find(ids.numpy().tobytes())
+    assert at > 0
+    data[at: at + 4] = (int(ids[0]) ^ 1).to_bytes(4, "little")  # another valid token id
+    (flipped / shard.name).write_bytes(bytes(data))
+
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    (cut / shard.name).write_bytes(shard.read_bytes()[:-3])
+
+    for bad in (flipped, cut):
+        capsys.readouterr()
+        assert main(["vocab", "--store", str(bad), "--draft-vocab-size", "8", "--out", str(tmp_path / "v")]) == 2
+        err = stderr_lines(capsys)
+        assert len(err) == 1 and err[0].startswith("draftsmith: error:") and shard.name in err[0], (bad, err)
+        with pytest.raises(StoreCorrupt, match=shard.name):
+            count_store_tokens(bad, vocab_size)
+    assert not (tmp_path / "v").exists()

@@ -23,7 +23,7 @@ from draftsmith.data.chat import (
     tokenize_conversation,
     user_turn_prefix,
 )
-from draftsmith.testing.tokenizer import SMOLLM2_SYSTEM, STYLES, make_tokenizer
+from draftsmith.testing.tokenizer import CHATML_TEMPLATE, SMOLLM2_SYSTEM, STYLES, make_tokenizer
 
 EOT = {
     "llama3": "<|eot_id|>",
@@ -405,3 +405,18 @@ def test_assistant_turn_prefix_and_stops(style: str, tok) -> None:
     assert prefix.endswith("Hi" + after_user.get(style, "") + GEN_HEADER[style])
     assert end_of_turn_texts(tok) == STOPS[style]
     assert tok.eos_token in end_of_turn_texts(tok)
+
+
+def test_stop_tokens_come_from_the_template_for_decode_and_generate_alike():
+    """An end-of-turn token no hard-coded list would know: decode, bench and generate all stop on it."""
+    from draftsmith.data.chat import stop_token_ids, stop_tokens
+
+    tok = make_tokenizer("chatml")
+    tok.add_special_tokens({"additional_special_tokens": ["<|turn_done|>"]})
+    tok.chat_template = CHATML_TEMPLATE.replace("<|im_end|>", "<|turn_done|>")
+    tok.eos_token = "<|endoftext|>"
+    done = tok.convert_tokens_to_ids("<|turn_done|>")
+    ids, texts = stop_tokens(tok)
+    assert done in stop_token_ids(tok)
+    assert set(stop_token_ids(tok)) == ids and texts == []
+    assert tok.convert_tokens_to_ids("<|im_end|>") not in ids  # not this template's end of turn

@@ -66,6 +66,15 @@ def test_text_output(model_dir, capsys):
     (["--chain", "3"], "need --drafter"),
     (["--tree", "3,2"], "DEPTH,TOPK,TOTAL"),
     (["--max-new-tokens", "0"], "must be >= 1"),
+    (["--max-new-tokens", "-5"], "must be >= 1"),
+    # issue 19.6/19.7: bounded, validated draft shapes (no silent defaults, no crash mid-decode)
+    (["--random-drafter", "--chain", "0"], "chain length must be >= 1, got 0"),
+    (["--random-drafter", "--chain", "65"], "at most 64"),
+    (["--random-drafter", "--tree", "65,2,10"], "at most 64"),
+    (["--random-drafter", "--tree", "3,2,100000"], "at most 1024"),
+    (["--random-drafter", "--tree", "3,600,10"], "draft vocabulary"),
+    (["--prompt-lookup", "-1"], "prompt lookup length must be >= 1, got -1"),
+    (["--prompt-lookup", "100000"], "at most 64"),
 ])
 def test_bad_input_one_line_exit_2(model_dir, capsys, args, message):
     base = ["decode", "--target", str(model_dir), "--prompt", "hi"]
@@ -81,6 +90,16 @@ def test_non_model_directory_subprocess(tmp_path):
                            "--prompt", "x"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("draftsmith: error:") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_huge_chain_fails_fast_subprocess(model_dir):
+    """Issue 19.6: `--chain 100000` drafted 100000 tokens per round (over 5 minutes); now a one-line error."""
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "decode", "--target", str(model_dir),
+                           "--prompt", "x", "--random-drafter", "--chain", "100000", "--max-new-tokens", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("draftsmith: error: chain length must be at most 64")
     assert len(proc.stderr.strip().splitlines()) == 1
 
 

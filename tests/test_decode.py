@@ -209,3 +209,41 @@ def test_spec_parsing_and_validation():
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
     assert list(itertools.islice(EXTRA_SPECS, 1)) == [ChainSpec(1)]
+
+
+def test_draft_shapes_are_bounded_with_usage_errors():
+    """Issue 19.6: K and tree sizes have documented maxima; every bad shape is a UsageError."""
+    from draftsmith.core.errors import UsageError
+    from draftsmith.stages.decode import MAX_DRAFT_LENGTH, MAX_TREE_TOKENS
+
+    ChainSpec(MAX_DRAFT_LENGTH)
+    NgramSpec(MAX_DRAFT_LENGTH)
+    TreeSpec(MAX_DRAFT_LENGTH, 2, MAX_TREE_TOKENS)
+    for bad in (lambda: ChainSpec(100000), lambda: ChainSpec(0), lambda: NgramSpec(100000),
+                lambda: NgramSpec(-1), lambda: NgramSpec(0), lambda: TreeSpec(MAX_DRAFT_LENGTH + 1, 2, 10),
+                lambda: TreeSpec(3, 2, MAX_TREE_TOKENS + 1), lambda: TreeSpec(3, 0, 10),
+                lambda: TreeSpec.parse("3,2"), lambda: NgramSpec(3, max_ngram=1, min_ngram=2)):
+        with pytest.raises(UsageError):
+            bad()
+    with pytest.raises(UsageError, match=f"at most {MAX_DRAFT_LENGTH}"):
+        ChainSpec(100000)
+
+
+def test_tree_top_k_beyond_the_draft_vocabulary_refused():
+    """Issue 19.6: top-k above the drafter's draft vocabulary was `selected index k out of range` mid-decode."""
+    from draftsmith.core.errors import UsageError
+
+    target = tiny_target("llama", num_hidden_layers=LAYERS)
+    drafter = new_drafter(target, seed=1, draft_vocab_size=40)
+    SpeculativeDecoder(target, drafter, TreeSpec(3, 40, 10)).generate([5, 6, 7], 3)  # the whole vocab is fine
+    with pytest.raises(UsageError, match="draft vocabulary"):
+        SpeculativeDecoder(target, drafter, TreeSpec(3, 41, 10))
+
+
+def test_max_new_tokens_must_be_positive():
+    from draftsmith.core.errors import UsageError
+
+    target = tiny_target("llama", num_hidden_layers=LAYERS)
+    for decoder in (SpeculativeDecoder(target), SpeculativeDecoder(target, None, NgramSpec(2))):
+        with pytest.raises(UsageError, match="max_new_tokens must be >= 1"):
+            decoder.generate([5, 6, 7], 0)

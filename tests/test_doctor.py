@@ -18,9 +18,13 @@ import pytest
 import torch
 
 from draftsmith.cli import main
+from draftsmith.core import vllm_facts
 from draftsmith.core import vocab as vocab_mod
-from draftsmith.integrations import vllm as vi
-from draftsmith.stages.doctor import DoctorUsageError, HFSource, diagnose, read_safetensors_header, read_small_tensor
+from draftsmith.core.pysource import VllmSource
+from draftsmith.core.tensorfile import read_safetensors_header, read_small_tensor
+from draftsmith.stages.doctor.diagnosis import diagnose
+from draftsmith.stages.doctor.hfsource import HFSource
+from draftsmith.stages.doctor.report import DoctorUsageError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
@@ -30,8 +34,8 @@ SEED_INTERFACE = "Model does not support EAGLE3 interface"
 @pytest.fixture(autouse=True)
 def no_installed_vllm(monkeypatch):
     """Results must not depend on whether this environment happens to have vLLM: tests state the version."""
-    monkeypatch.setattr(vi.VllmSource, "installed", classmethod(lambda cls: None))
-    monkeypatch.setattr(vi, "installed_vllm_version", lambda: None)
+    monkeypatch.setattr(VllmSource, "installed", classmethod(lambda cls: None))
+    monkeypatch.setattr(vllm_facts, "installed_vllm_version", lambda: None)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
@@ -625,13 +629,13 @@ def vllm_source():
     roots = sorted(VLLM_VENV.glob("lib/python3*/site-packages/vllm"))
     if not roots:
         pytest.skip(f"no vLLM source at {VLLM_VENV} (make vllm-env)")
-    return vi.VllmSource(roots[0], "0.32.0")
+    return VllmSource(roots[0], "0.32.0")
 
 
 @pytest.mark.slow  # needs .venv-vllm, which `make test-slow` creates
 def test_032_table_matches_vllm_source(vllm_source):
     """The 0.32 facts were derived from this source; the ast reader must still agree with them."""
-    p = vi.VLLM_PROFILES["0.32"]
+    p = vllm_facts.VLLM_PROFILES["0.32"]
     for arch in sorted(p.eagle3_targets | p.no_eagle3_targets):
         got = vllm_source.supports_eagle3(arch)
         if got is not None:  # a few classes are built by calls or per platform: the table says what import said

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -19,15 +21,12 @@ import torch
 from draftsmith.cli import main
 from draftsmith.data.chat import read_jsonl
 from draftsmith.model.target import Target, load_target
-from draftsmith.stages.generate import (
-    GenerateConfig,
-    GenerateError,
-    LocalBackend,
-    _Sampling,
-    errors_path,
-    generate,
-    plan_turns,
-)
+from draftsmith.stages.generate import run as generate_run
+from draftsmith.stages.generate.backends import LocalBackend, _Sampling
+from draftsmith.stages.generate.config import GenerateConfig, GenerateError, errors_path
+from draftsmith.stages.generate.jobs import plan_turns
+from draftsmith.stages.generate.output import _Progress
+from draftsmith.stages.generate.run import generate
 from draftsmith.testing.models import build_tiny_model
 from draftsmith.testing.tokenizer import make_tokenizer
 
@@ -259,6 +258,55 @@ def test_resume_after_partial_run_and_crash_mid_line(tmp_path, target):
     assert _records(out) == reference
 
 
+def test_progress_bar_counts_records_as_written(tmp_path, target, monkeypatch, capsys):
+    """A batched backend writes a whole round at once: the bar shows every record, its ETA the average rate.
+
+    Reported as `1/800 [09:24<125:13:57]` with 256 on disk: tqdm drew only a round's first record, then sat
+    on it while the next round ran, and took its rate from one conversation per round.
+    """
+    bars = []
+
+    class Recorded(_Progress):
+        def __init__(self, total: int, enabled: bool) -> None:
+            super().__init__(total, enabled)
+            bars.append(self.bar)
+
+    monkeypatch.setattr(generate_run, "_Progress", Recorded)
+    out = tmp_path / "out.jsonl"
+    stderr: list[str] = []
+    rounds: list[tuple[int, int, int, float]] = []  # on disk, last count drawn, bar count, rate of its ETA
+    real = LocalBackend.generate_ids
+
+    def slow_round(self, prompts, sampling, seeds):
+        stderr.append(capsys.readouterr().err)
+        drawn = re.findall(r"(\d+)/\d+ \[", "".join(stderr))
+        fd = bars[-1].format_dict
+        rate = fd["rate"] or (fd["n"] - fd["initial"]) / fd["elapsed"]  # what tqdm's ETA divides by
+        on_disk = len(out.read_text(encoding="utf-8").splitlines()) if out.exists() else 0
+        rounds.append((on_disk, int(drawn[-1]), fd["n"], rate * fd["elapsed"]))
+        time.sleep(0.2)  # a round takes longer than tqdm's 0.1 s between draws
+        return real(self, prompts, sampling, seeds)
+
+    monkeypatch.setattr(LocalBackend, "generate_ids", slow_round)
+    inp = _write_jsonl(tmp_path / "in.jsonl", PROMPTS)
+    s = generate(_cfg(tmp_path, input=inp, out=out, batch_size=3, progress=True), target=target)
+    assert s.new == 5
+    # round 2 starts with round 1's three records on disk: drawn, counted, and the rate is 3 per elapsed time
+    assert rounds[1][:3] == (3, 3, 3)
+    assert rounds[1][3] == pytest.approx(3)
+    stderr.append(capsys.readouterr().err)
+    assert bars[-1].n == 5 and re.findall(r"(\d+)/\d+ \[", "".join(stderr))[-1] == "5"
+
+    # resumed: lines an earlier run finished advance the bar but not the rate the ETA comes from
+    rounds.clear()
+    stderr.clear()
+    more = [*PROMPTS, {"prompt": "Name a colour."}, {"prompt": "Count to three."}]
+    s = generate(_cfg(tmp_path, input=_write_jsonl(tmp_path / "in.jsonl", more), out=out, progress=True),
+                 target=target)
+    assert (s.new, s.already) == (2, 5)
+    assert rounds[0][2:] == (5, 0)
+
+
 def test_counts_add_up_with_bad_empty_and_duplicate_lines(tmp_path, target):
     inp = _write_jsonl(tmp_path / "in.jsonl", [
         PROMPTS[0],
@@ -284,6 +332,36 @@ def test_counts_add_up_with_bad_empty_and_duplicate_lines(tmp_path, target):
     _check_counts(s, 7)
     assert (s.new, s.already, s.error, s.skipped) == (0, 2, 2, 3)
     assert len(errors_path(s.out).read_text().splitlines()) == 2
+
+
+def test_empty_or_all_invalid_input_is_an_error(tmp_path, target, model_dir, capsys):
+    """Issue 19.7: nothing usable in the input is exit 2 naming the count and the first bad lines, not exit 0."""
+    empty = _write_jsonl(tmp_path / "empty.jsonl", [])
+    with pytest.raises(GenerateError, match=r"empty\.jsonl: no usable conversation in 0 lines"):
+        generate(_cfg(tmp_path, input=empty), target=target)
+    bad = _write_jsonl(tmp_path / "convs.jsonl", [
+        "{not json", {"messages": []}, {"weird": 1}, "", {"messages": [{"role": "assistant", "content": "hi"}]},
+    ])
+    with pytest.raises(GenerateError) as info:
+        generate(_cfg(tmp_path, input=bad), target=target)
+    msg = str(info.value)
+    assert msg.startswith("convs.jsonl: no usable conversation in 4 lines (line 1: invalid JSON") or \
+        msg.startswith(f"{bad}: no usable conversation in 4 lines (line 1: invalid JSON"), msg
+    assert "line 2: no messages" in msg and "line 3: unknown record shape" in msg and "..." in msg
+    assert "\n" not in msg
+    out = tmp_path / "out.jsonl"
+    assert not out.exists() and not errors_path(out).exists()
+
+    rc = main(["generate", "--input", str(bad), "--out", str(out), "--target", str(model_dir), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("draftsmith: error: ") and "no usable conversation in 4 lines" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+    # every line finished by an earlier run is usable: a resumed run with nothing left to do is fine
+    ok = _write_jsonl(tmp_path / "ok.jsonl", [PROMPTS[0], "{not json"])
+    assert generate(_cfg(tmp_path, input=ok), target=target).new == 1
+    s = generate(_cfg(tmp_path, input=ok), target=target)
+    assert (s.new, s.already, s.error) == (0, 1, 1)
 
 
 def test_max_input_length(tmp_path, target):

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import draftsmith
 from draftsmith.core import io as io_mod
-from draftsmith.data import store as store_mod
 from draftsmith.data.store import (
     MANIFEST_NAME,
     FeatureStore,
@@ -30,6 +30,7 @@ from draftsmith.data.store import (
     StoreWriteError,
     estimate_bytes_per_token,
 )
+from draftsmith.data.store import reader as reader_mod
 
 H = 8
 N_AUX = 3
@@ -321,7 +322,7 @@ def test_iter_shuffled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     for buffer_shards in (1, 2, 3):
         counter = _CountingSafeOpen(safe_open)
-        monkeypatch.setattr(store_mod, "safe_open", counter)
+        monkeypatch.setattr(reader_mod, "safe_open", counter)
         items = list(FeatureStore(tmp_path).iter_shuffled(seed=7, buffer_shards=buffer_shards))
         ids = [x["sample_id"] for x in items]
         assert sorted(ids) == sorted(fs.sample_ids) and len(set(ids)) == n
@@ -342,7 +343,7 @@ def test_iter_shuffled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     # Abandoning the iterator early closes its handles.
     counter = _CountingSafeOpen(safe_open)
-    monkeypatch.setattr(store_mod, "safe_open", counter)
+    monkeypatch.setattr(reader_mod, "safe_open", counter)
     it = fs.iter_shuffled(seed=3)
     next(it)
     it.close()
@@ -362,7 +363,7 @@ def _store_is_consistent(root: Path) -> dict[str, Any]:
 def test_kill9_then_resume(tmp_path: Path) -> None:
     n = 60
     root = tmp_path / "store"
-    src = Path(store_mod.__file__).resolve().parents[2]
+    src = Path(draftsmith.__file__).resolve().parents[1]  # the directory holding the package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     cmd = [
         sys.executable,

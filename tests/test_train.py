@@ -17,7 +17,8 @@ from draftsmith.model.drafter import KVCache, load_drafter, new_drafter
 from draftsmith.model.target import load_target
 from draftsmith.model.ttt import TTTBatch, simulated_acceptance_length, target_argmax, teacher_targets, ttt_forward
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
-from draftsmith.stages.train import TrainConfig, TrainError, load_config, train
+from draftsmith.stages.train.config import TrainConfig, TrainError, load_config
+from draftsmith.stages.train.run import train
 
 
 def test_ttt_unroll_equals_inference_drafting():
@@ -180,7 +181,7 @@ def test_unknown_config_key_names_closest(tmp_path):
 
 def test_autocast_setting():
     from draftsmith.model.target import bf16_native
-    from draftsmith.stages.train import use_autocast
+    from draftsmith.stages.train.loop import use_autocast
 
     cpu = torch.device("cpu")
     assert use_autocast("bf16", cpu) and not use_autocast("off", cpu)
@@ -188,9 +189,9 @@ def test_autocast_setting():
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(workspace, tmp_path, monkeypatch):
-    import draftsmith.stages.train as train_mod
+    import draftsmith.stages.train.loop as loop_mod  # the module whose train_loop and evaluate call it
 
-    real = train_mod.ttt_forward
+    real = loop_mod.ttt_forward
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -198,7 +199,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(workspace, tmp_path, monk
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] > 4 else loss), stats
 
-    monkeypatch.setattr(train_mod, "ttt_forward", poisoned)
+    monkeypatch.setattr(loop_mod, "ttt_forward", poisoned)
     with pytest.raises(TrainError, match="loss is nan at step 5.*last good checkpoint"):
         train(_cfg(workspace, tmp_path / "n", eval_every=100))
     ckpts = sorted(p.name for p in (tmp_path / "n" / "checkpoints").glob("step-*"))
@@ -238,3 +239,126 @@ def test_distributed_two_processes_gloo(workspace, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ddp" / "final" / "model.safetensors").is_file()
     assert Path(tmp_path / "ddp" / "checkpoints" / "latest").read_text().strip() == "step-0000004"
+
+
+# --- hardening: untrusted run directories and stores, concurrent runs, resumed logs ------------------------
+class _Evil:
+    """A pickle that creates a marker file when unpickled with weights_only=False."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _stderr_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def _cli_args(workspace, out, *extra: str) -> list[str]:
+    root, model, convs = workspace
+    return ["train", "--target", str(model), "--conversations", str(convs), "--out", str(out), "--max-steps", "4",
+            "--batch-tokens", "512", "--ttt-steps", "2", "--save-every", "2", "--eval-every", "100",
+            "--draft-vocab-size", "300", "--no-progress", "--no-plot", *extra]
+
+
+def test_resume_refuses_a_malicious_trainer_state(workspace, tmp_path, capsys):
+    from draftsmith.cli import main
+
+    out = tmp_path / "evil"
+    assert main(_cli_args(workspace, out, "--stop-at-step", "2")) == 0
+    state = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "trainer_state.pt"
+    # The checkpoint written by train itself loads without unpickling code.
+    blob = torch.load(state, weights_only=True)
+    assert blob["state"]["step"] == 2
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer": _Evil(str(marker))}, state)
+    capsys.readouterr()
+    assert main(_cli_args(workspace, out, "--resume")) == 2
+    assert not marker.exists()
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("draftsmith: error:") and "trainer_state.pt" in err[0], err
+
+
+def test_resume_does_not_repeat_logged_steps(workspace, tmp_path):
+    from draftsmith.stages.train.logs import read_metrics
+
+    out = tmp_path / "m"
+    train(_cfg(workspace, out, log_every=1, stop_at_step=5))  # checkpoints at steps 3 and 5
+    (out / "checkpoints" / "latest").write_text("step-0000003")  # as if killed after logging steps 4 and 5
+    train(_cfg(workspace, out, log_every=1, resume=True))
+    rows = read_metrics(out)
+    keys = [(r["step"], bool(r.get("eval"))) for r in rows]
+    assert len(keys) == len(set(keys)), keys
+    assert sorted(k for k, e in keys if not e) == list(range(1, 13))
+
+
+def test_second_run_into_the_same_out_is_refused(workspace, tmp_path, capsys):
+    from draftsmith.cli import main
+    from draftsmith.core.io import ExclusiveLock
+
+    out = tmp_path / "locked"
+    out.mkdir()
+    lock = ExclusiveLock(out / ".train.lock", "a train run")
+    try:
+        capsys.readouterr()
+        assert main(_cli_args(workspace, out)) == 2
+    finally:
+        lock.release()
+    err = _stderr_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("draftsmith: error:") and "resume" not in err[0], err
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def small_store(workspace, tmp_path_factory):
+    """A store captured from the workspace target, in several small shards."""
+    from draftsmith.stages.capture import CaptureConfig, run_capture
+
+    root, model, convs = workspace
+    store = tmp_path_factory.mktemp("store") / "s"
+    run_capture(CaptureConfig(conversations=Path(convs), out=store, target=str(model), max_length=256,
+                              draft_vocab_size=300, shard_max_bytes=64 * 1024, progress=False))
+    return store
+
+
+def test_corrupt_late_shard_is_refused_before_the_first_step(workspace, small_store, tmp_path):
+    import shutil
+
+    from draftsmith.data.store import FeatureStore
+
+    root, model, convs = workspace
+    store = tmp_path / "s"
+    shutil.copytree(small_store, store)
+    shards = FeatureStore(store).shards
+    assert len(shards) >= 3
+    last = store / shards[-1]["file"]
+    data = bytearray(last.read_bytes())
+    data[-5] ^= 0xFF  # a flipped bit in the payload: same size, different sha256
+    last.write_bytes(bytes(data))
+    cfg = load_config(None, dict(target=str(model), store=str(store), out=str(tmp_path / "run"), max_steps=6,
+                                 batch_tokens=512, ttt_steps=2, log_every=1, save_every=100, eval_every=100,
+                                 eval_fraction=0.0, progress=False, plot=False))
+    with pytest.raises(TrainError, match=rf"{shards[-1]['file']}.*capture") as info:
+        train(cfg)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+    # What the error advises works: drop the shard and its manifest entry, rerun capture, which resumes.
+    from draftsmith.stages.capture import CaptureConfig, run_capture
+
+    manifest = json.loads((store / "manifest.json").read_text())
+    bad = manifest["shards"].pop()
+    manifest["num_samples"] -= bad["num_samples"]
+    manifest["total_tokens"] -= bad["num_tokens"]
+    manifest["total_loss_tokens"] -= sum(s["loss_tokens"] for s in bad["samples"])
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    last.unlink()
+    report = run_capture(CaptureConfig(conversations=Path(convs), out=store, target=str(model), max_length=256,
+                                       draft_vocab_size=300, shard_max_bytes=64 * 1024, progress=False))
+    assert report.counts.captured == bad["num_samples"]
+    fixed, original = FeatureStore(store), FeatureStore(small_store)
+    fixed.verify_all()
+    assert sorted(fixed.sample_ids) == sorted(original.sample_ids)
+    assert (fixed.total_tokens, fixed.total_loss_tokens) == (original.total_tokens, original.total_loss_tokens)

@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.app.serve import serve_command
 from draftsmith.cli import main
+from draftsmith.core import pysource, vllm_facts
+from draftsmith.core.pysource import VllmSource
 from draftsmith.integrations import vllm as vi
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +35,11 @@ def test_entry_point_and_extra_are_declared():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["vllm.general_plugins"]["draftsmith"] == "draftsmith.integrations.vllm:register"
     assert project["optional-dependencies"]["vllm"] == []  # vLLM pins torch/transformers: never a dependency
+
+
+def test_plugin_installed_looks_for_this_module():
+    """vllm_facts (floor core) cannot import the plugin, so it names the entry point's module as a constant."""
+    assert vi.__name__ == vllm_facts.PLUGIN_MODULE
 
 
 def test_register_is_a_no_op_when_switched_off(monkeypatch):
@@ -84,28 +92,28 @@ def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
 
 
 def test_llama_like_decoder_is_recognised_exactly():
-    assert vi.llama_like_decoder(_fn(_MIXTRAL_LIKE))
+    assert pysource.llama_like_decoder(_fn(_MIXTRAL_LIKE))
     # Olmoe's final norm branches on residual; Solar mixes skip connections in: not Llama's loop, not patched.
-    assert not vi.llama_like_decoder(_fn(_MIXTRAL_LIKE.replace(
+    assert not pysource.llama_like_decoder(_fn(_MIXTRAL_LIKE.replace(
         "    hidden_states, _ = self.norm(hidden_states, residual)\n",
         "    if residual is not None:\n        hidden_states, _ = self.norm(hidden_states, residual)\n"
         "    else:\n        hidden_states = self.norm(hidden_states)\n")))
-    assert not vi.llama_like_decoder(_fn(_MIXTRAL_LIKE.replace(
+    assert not pysource.llama_like_decoder(_fn(_MIXTRAL_LIKE.replace(
         "        hidden_states, residual = layer(",
         "        hidden_states = hidden_states * 0.5\n        hidden_states, residual = layer(")))
 
 
 def test_passthrough_forward():
-    assert vi.passthrough_forward(_fn('''
+    assert pysource.passthrough_forward(_fn('''
         def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
             hidden_states = self.model(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
             return hidden_states
     '''))
-    assert vi.passthrough_forward(_fn('''
+    assert pysource.passthrough_forward(_fn('''
         def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
     '''))
-    assert not vi.passthrough_forward(_fn('''
+    assert not pysource.passthrough_forward(_fn('''
         def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
             hidden_states = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
             return hidden_states * self.scale
@@ -113,10 +121,10 @@ def test_passthrough_forward():
 
 
 def test_profiles_and_versions():
-    assert vi.profile_for("0.32.0")[0].name == "0.32" and vi.profile_for("0.32")[1]
-    assert vi.profile_for("0.10.1+cpu") == (vi.VLLM_PROFILES["legacy"], True)
-    assert vi.profile_for("0.20")[1] is False
-    legacy, current = vi.VLLM_PROFILES["legacy"], vi.VLLM_PROFILES["0.32"]
+    assert vllm_facts.profile_for("0.32.0")[0].name == "0.32" and vllm_facts.profile_for("0.32")[1]
+    assert vllm_facts.profile_for("0.10.1+cpu") == (vllm_facts.VLLM_PROFILES["legacy"], True)
+    assert vllm_facts.profile_for("0.20")[1] is False
+    legacy, current = vllm_facts.VLLM_PROFILES["legacy"], vllm_facts.VLLM_PROFILES["0.32"]
     for arch in ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"):
         assert arch in legacy.no_eagle3_targets and arch in current.eagle3_targets
     assert "MixtralForCausalLM" in current.no_eagle3_targets and "MixtralForCausalLM" in current.plugin_patchable
@@ -125,23 +133,23 @@ def test_profiles_and_versions():
     assert current.mm_token_field["KimiK25ForConditionalGeneration"] == "media_placeholder_token_id"
     assert legacy.mm_token_field.get("KimiK25ForConditionalGeneration", legacy.mm_token_field_default) == \
         "image_token_index"
-    assert vi.drafter_architecture_in_vllm("LlamaForCausalLM") == "Eagle3LlamaForCausalLM"
-    assert vi.drafter_architecture_in_vllm("LlamaForCausalLMEagle3") == "LlamaForCausalLMEagle3"
+    assert vllm_facts.drafter_architecture_in_vllm("LlamaForCausalLM") == "Eagle3LlamaForCausalLM"
+    assert vllm_facts.drafter_architecture_in_vllm("LlamaForCausalLMEagle3") == "LlamaForCausalLMEagle3"
     with pytest.raises(ValueError):
-        vi.parse_version("latest")
+        vllm_facts.parse_version("latest")
 
 
 # --- serve ------------------------------------------------------------------------------------------------------------
 def test_serve_command(tmp_path):
-    cmd = vi.serve_command(tmp_path / "t", tmp_path / "d", 4, port=8001, extra_args=["--max-model-len", "4096"])
+    cmd = serve_command(tmp_path / "t", tmp_path / "d", 4, port=8001, extra_args=["--max-model-len", "4096"])
     assert cmd[:3] == ["vllm", "serve", str(tmp_path / "t")]
     assert json.loads(cmd[4]) == {"method": "eagle3", "model": str((tmp_path / "d").resolve()),
                                   "num_speculative_tokens": 4}
     assert cmd[3] == "--speculative-config" and cmd[5:] == ["--port", "8001", "--max-model-len", "4096"]
     with pytest.raises(ValueError, match="speculative-config"):
-        vi.serve_command("t", "d", extra_args=["--speculative-config={}"])
+        serve_command("t", "d", extra_args=["--speculative-config={}"])
     with pytest.raises(ValueError):
-        vi.serve_command("t", "d", 0)
+        serve_command("t", "d", 0)
 
 
 @pytest.fixture
@@ -149,8 +157,8 @@ def serve_pair(tmp_path, monkeypatch):
     """A good pair (doctor-clean for vLLM 0.32) and a fake `vllm` that records how it was called."""
     from test_doctor import fixture, write_drafter_weights
 
-    monkeypatch.setattr(vi.VllmSource, "installed", classmethod(lambda cls: None))
-    monkeypatch.setattr(vi, "installed_vllm_version", lambda: None)
+    monkeypatch.setattr(VllmSource, "installed", classmethod(lambda cls: None))
+    monkeypatch.setattr(vllm_facts, "installed_vllm_version", lambda: None)
     target = fixture("llama", tmp_path)
     drafter = fixture("drafters/llama-eagle3", tmp_path)
     write_drafter_weights(drafter)
@@ -296,7 +304,7 @@ def test_plugin_makes_mixtral_eagle3_capable_in_vllm(tmp_path):
 
     from draftsmith.model.target import load_target
     from draftsmith.stages.decode import SpeculativeDecoder
-    from draftsmith.stages.doctor import diagnose
+    from draftsmith.stages.doctor.diagnosis import diagnose
 
     # vLLM's CPU attention wants head_dim 32/64/...: hidden 128 over 4 heads.
     target_dir = save_tiny_chat_model(tmp_path / "mixtral", arch="mixtral", hidden_size=128, num_attention_heads=4,
@@ -319,7 +327,7 @@ def test_plugin_makes_mixtral_eagle3_capable_in_vllm(tmp_path):
 
     without = _run_vllm(tmp_path, target_dir, drafter_dir, tmp_path / "prompts.json", plugin=False)
     assert without.returncode != 0
-    assert vi.SEED_ERROR_032 in without.stdout + without.stderr
+    assert vllm_facts.SEED_ERROR_032 in without.stdout + without.stderr
 
     with_plugin = _run_vllm(tmp_path, target_dir, drafter_dir, tmp_path / "prompts.json", plugin=True)
     assert with_plugin.returncode == 0, with_plugin.stderr[-4000:]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.core.errors import UsageError
 from draftsmith.data.chat import stop_token_ids
-from draftsmith.data.prompts import load_prompts
+from draftsmith.data.prompts import BenchPrompt, load_prompts
 from draftsmith.stages.decode import ChainSpec, DecodeResult, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
 
 
@@ -114,10 +115,40 @@ def spec_name(spec) -> str:
     return f"prompt lookup k={spec.k}"
 
 
+def check_bench_args(datasets: Sequence[str], temperatures: Sequence[float], limit: int | None = None,
+                     turns: int | None = None, max_new_tokens: int = 128,
+                     prompt_lookup_k: int | None = 3) -> dict[str, list[BenchPrompt]]:
+    """Validate a bench run before anything is decoded; returns each dataset's prompts (none may be empty)."""
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for name, value in (("limit", limit), ("turns", turns)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    if prompt_lookup_k:
+        NgramSpec(prompt_lookup_k)  # raises for a bad K
+    if not datasets:
+        raise UsageError("no dataset to bench on")
+    if not temperatures:
+        raise UsageError("no temperature to bench at")
+    for t in temperatures:
+        SamplingParams(temperature=t)  # raises for a bad one
+    prompt_sets = {}
+    for dataset in datasets:
+        prompts = load_prompts(dataset, limit, turns)
+        if not prompts or not any(p.turns for p in prompts):
+            raise UsageError(f"{dataset}: no usable prompt (no line with a user turn)")
+        prompt_sets[dataset] = prompts
+    return prompt_sets
+
+
 def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, temperatures: Sequence[float] = (0.0,),
               limit: int | None = None, turns: int | None = None, max_new_tokens: int = 128,
               prompt_lookup_k: int | None = 3, seed: int = 0, progress: bool = True) -> dict:
-    """The whole measurement; returns a JSON-able report (see ``format_table``)."""
+    """The whole measurement; returns a JSON-able report (see ``format_table``).
+
+    Raises UsageError before decoding anything for bad arguments or a prompt set with no usable prompt.
+    """
+    prompt_sets = check_bench_args(datasets, temperatures, limit, turns, max_new_tokens, prompt_lookup_k)
     tok = target.tokenizer
     stops = stop_token_ids(tok)
     methods = [("plain", None)] + [(spec_name(s), s) for s in specs]
@@ -132,7 +163,7 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
     report = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "machine": machine_info(),
               "max_new_tokens": max_new_tokens, "results": []}
     for dataset in datasets:
-        prompts = load_prompts(dataset, limit, turns)
+        prompts = prompt_sets[dataset]
         for temperature in temperatures:
             sampling = SamplingParams(temperature=temperature)
             stats = {name: MethodStats() for name, _ in methods}

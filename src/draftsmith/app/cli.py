@@ -7,8 +7,25 @@ import json
 import sys
 
 from draftsmith import __version__
-from draftsmith.core.errors import UsageError
+from draftsmith.core.errors import DraftsmithError, UsageError, one_line
 from draftsmith.data.chat import encode_prompt, stop_token_ids
+
+# Errors that are the user's to fix: one line on stderr, exit code 2. ValueError is there for option values
+# that library constructors validate (sampling parameters, draft shapes).
+USER_ERRORS = (DraftsmithError, FileNotFoundError, NotADirectoryError, ValueError)
+
+
+def fail(e: BaseException, code: int = 2, then: str = "") -> int:
+    """The one way the CLI reports an error: ``draftsmith: error: <message on one line><then>``."""
+    print(f"draftsmith: error: {one_line(e)}{then}", file=sys.stderr)
+    return code
+
+
+# Kept in step with draftsmith.stages.decode.MAX_DRAFT_LENGTH / MAX_TREE_TOKENS (not imported: no torch for --help).
+_K_BOUND = ("K is at most 64: acceptance decays geometrically with the draft position, so past a few dozen "
+            "nothing is accepted while every drafted token still costs a drafter step")
+_TREE_BOUND = ("DEPTH at most 64 (as chain K), TOPK at most the drafter's draft vocabulary, TOTAL (verified "
+               "tokens, root incl.) at most 1024: a longer verify pass costs a prefill")
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -46,16 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an untrained drafter (acceptance near 1): measures the speculative overhead")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     s = p.add_mutually_exclusive_group()
-    s.add_argument("--chain", type=int, default=None, metavar="K", help="draft a chain of K tokens (default 3)")
+    s.add_argument("--chain", type=int, default=None, metavar="K",
+                   help=f"draft a chain of K tokens (default 3). {_K_BOUND}")
     s.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
-                   help="EAGLE-2 dynamic tree, e.g. 5,8,48")
+                   help=f"EAGLE-2 dynamic tree, e.g. 5,8,48. {_TREE_BOUND}")
     s.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
-                   help="n-gram prompt-lookup drafting of K tokens (no drafter; the free baseline)")
+                   help=f"n-gram prompt-lookup drafting of K tokens (no drafter; the free baseline). {_K_BOUND}")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -72,14 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", default="mt-bench", help="comma-separated: mt-bench, humaneval, or JSONL paths")
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
     p.add_argument("--chain", type=int, default=None, metavar="K",
-                   help="chain of K draft tokens (default 3 when --tree is not given)")
+                   help=f"chain of K draft tokens (default 3 when --tree is not given). {_K_BOUND}")
     p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
-                   help="EAGLE-2 dynamic tree; with --chain too, both are measured in the same run")
+                   help=f"EAGLE-2 dynamic tree; with --chain too, both are measured in the same run. {_TREE_BOUND}")
     p.add_argument("--prompt-lookup", type=int, default=3, metavar="K",
-                   help="also measure n-gram prompt lookup with K tokens (0: skip)")
-    p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
-    p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+                   help="also measure n-gram prompt lookup with K tokens (0: skip; at most 64)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (N >= 1)")
+    p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2; N >= 1)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.txt, bench.png")
     p.add_argument("--readme", default=None, help="also write the table into this README's bench section")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -103,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("doctor", "serve"):  # before the library imports below: doctor answers in under a second
         return _doctor_or_serve(args)
     _quiet_libraries()
-    from draftsmith.data.store import StoreError
-
     try:
         if args.command == "decode":
             return _decode(args)
@@ -122,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             run_demo(args.preset, args.workdir, target=args.target, progress=args.progress,
                      vllm_python=args.vllm_python)
             return 0
-    except (UsageError, FileNotFoundError, NotADirectoryError, StoreError, ValueError) as e:
-        # ValueError covers TargetError, DrafterError, VocabError, TrainError and bad option values.
-        print(f"draftsmith: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-              file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return fail(e)
+    except Exception as e:  # a corrupt weights file that no loader below named: still one line
+        from safetensors import SafetensorError
+
+        if not isinstance(e, SafetensorError):
+            raise
+        return fail(RuntimeError(f"not a valid safetensors file (truncated or corrupt): {one_line(e)}"))
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -134,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args) -> int:
     import torch
 
-    from draftsmith.app.bench import format_table, run_bench, update_readme, write_report
+    from draftsmith.app.bench import check_bench_args, format_table, run_bench, update_readme, write_report
     from draftsmith.model.drafter import load_drafter
     from draftsmith.model.target import load_target
     from draftsmith.stages.decode import ChainSpec, TreeSpec
@@ -143,7 +162,14 @@ def _bench(args) -> int:
         temperatures = [float(t) for t in args.temperature.split(",")]
     except ValueError as e:
         raise UsageError(f"--temperature wants comma-separated numbers, got {args.temperature!r}") from e
-    specs = [ChainSpec(args.chain or 3)] if args.chain or not args.tree else []
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit), ("--turns", args.turns)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.prompt_lookup < 0:
+        raise UsageError(f"--prompt-lookup must be >= 0 (0 skips it), got {args.prompt_lookup}")
+    check_bench_args([d for d in args.datasets.split(",") if d], temperatures, limit=args.limit, turns=args.turns,
+                     max_new_tokens=args.max_new_tokens, prompt_lookup_k=args.prompt_lookup or None)
+    specs = [ChainSpec(args.chain if args.chain is not None else 3)] if args.chain is not None or not args.tree else []
     if args.tree:
         specs.append(TreeSpec.parse(args.tree))
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -182,10 +208,10 @@ def _decode(args) -> int:
     from draftsmith.stages.decode import ChainSpec, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
 
     if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be >= 1")
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
-    spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain or 3)
-    if (args.chain or args.tree) and not (args.drafter or args.random_drafter):
+    spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain if args.chain is not None else 3)
+    if (args.chain is not None or args.tree) and not (args.drafter or args.random_drafter):
         raise UsageError("--chain/--tree need --drafter PATH or --random-drafter")
     if args.prompt_lookup is not None:
         if args.drafter or args.random_drafter:
@@ -270,7 +296,8 @@ def _add_generate_parser(sub) -> None:
 
 
 def _generate(args) -> int:
-    from draftsmith.stages.generate import GenerateConfig, generate
+    from draftsmith.stages.generate.config import GenerateConfig
+    from draftsmith.stages.generate.run import generate
 
     config = GenerateConfig(
         out=args.out, input=args.input, self_prompt=args.self_prompt, backend=args.backend,
@@ -324,7 +351,7 @@ def _add_capture_parser(sub) -> None:
 
 
 def _capture(args) -> int:
-    from draftsmith.data.store import StoreError, StoreMismatch
+    from draftsmith.data.store import StoreError, StoreMismatch, StoreWriteError
     from draftsmith.stages.capture import CaptureConfig, run_capture
 
     aux = _parse_ints(args.aux_layers)
@@ -342,20 +369,19 @@ def _capture(args) -> int:
         report = run_capture(config)
     except StoreMismatch as e:
         raise UsageError(str(e)) from e
-    except (StoreError, OSError) as e:  # disk full, unwritable: the store keeps its last committed shard
-        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+    except (StoreError, OSError) as e:
+        # Only a failed write (disk full, I/O error) is fixed by rerunning: the store keeps its last committed
+        # shard. A lock another process holds, a corrupt store or a missing file is the user's to fix first.
+        if isinstance(e, (FileNotFoundError, NotADirectoryError, PermissionError)):
             raise
-        print(f"draftsmith: error: {_one_line(e)}; committed samples are kept, rerun to resume", file=sys.stderr)
-        return 1
+        if isinstance(e, StoreError) and not (isinstance(e, StoreWriteError) or e.resumable):
+            return fail(e, 1)
+        return fail(e, 1, "; committed samples are kept, rerun to resume")
     except KeyboardInterrupt:
         print("draftsmith: interrupted; committed samples are kept, rerun to resume", file=sys.stderr)
         return 130
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 # --- vocab -----------------------------------------------------------------------------------------------
@@ -378,19 +404,18 @@ def _vocab(args) -> int:
     try:
         report = build_vocab(args.store, args.draft_vocab_size, out=args.out)
     except StoreError as e:
-        raise UsageError(_one_line(e)) from e
+        raise UsageError(one_line(e)) from e
     except OSError as e:
         if isinstance(e, (FileNotFoundError, NotADirectoryError)):
             raise
-        print(f"draftsmith: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+        return fail(e, 1)
     print(json.dumps({**asdict(report), "path": str(report.path)}) if args.json else report.summary())
     return 0
 
 
 # --- train -----------------------------------------------------------------------------------------------
 def _add_train_parser(sub) -> None:
-    from draftsmith.stages.train_config import TrainConfig
+    from draftsmith.stages.train.config import TrainConfig
 
     p = sub.add_parser("train", help="train an EAGLE-3 drafter with training-time test (offline or online)",
                        description="Every field of the config file can be overridden here (--ttt-steps 3 ...).")
@@ -405,8 +430,8 @@ def _add_train_parser(sub) -> None:
 
 
 def _train(args) -> int:
-    from draftsmith.stages.train import train
-    from draftsmith.stages.train_config import TrainConfig, load_config
+    from draftsmith.stages.train.config import TrainConfig, load_config
+    from draftsmith.stages.train.run import train
 
     overrides = {k: getattr(args, k) for k in TrainConfig.fields() if getattr(args, k, None) is not None}
     cfg = load_config(args.config, overrides)
@@ -491,7 +516,7 @@ def _import(args) -> int:
 
 # --- doctor / serve --------------------------------------------------------------------------------------
 def _add_doctor_parsers(sub) -> None:
-    from draftsmith.stages.doctor import ENGINES
+    from draftsmith.stages.doctor.report import ENGINES
 
     p = sub.add_parser(
         "doctor", help="check a target/drafter pair against an engine from files on disk, in seconds",
@@ -525,17 +550,17 @@ def _add_doctor_parsers(sub) -> None:
 
 
 def _doctor_or_serve(args) -> int:
-    from draftsmith.stages.doctor import DoctorUsageError
+    from draftsmith.stages.doctor.report import DoctorUsageError
 
     try:
         if args.command == "doctor":
-            from draftsmith.stages.doctor import diagnose
+            from draftsmith.stages.doctor.diagnosis import diagnose
 
             report = diagnose(args.target, args.drafter, engine=args.engine, engine_version=args.engine_version,
                               vllm_import=args.vllm_import)
             print(json.dumps(report.to_dict()) if args.json else report.summary())
             return report.exit_code
-        from draftsmith.integrations.vllm import serve
+        from draftsmith.app.serve import serve
 
         extra = list(args.vllm_args)
         if extra and extra[0] == "--":
@@ -543,9 +568,8 @@ def _doctor_or_serve(args) -> int:
         return serve(args.target, args.drafter, args.num_speculative_tokens, port=args.port, extra_args=extra,
                      dry_run=args.dry_run, force=args.force, engine_version=args.engine_version,
                      vllm_bin=args.vllm_bin)
-    except (DoctorUsageError, UsageError, FileNotFoundError, ValueError) as e:
-        print(f"draftsmith: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+    except (DoctorUsageError, *USER_ERRORS) as e:
+        return fail(e)
 
 
 if __name__ == "__main__":

@@ -78,8 +78,10 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     from draftsmith.model.target import bf16_native, load_target
     from draftsmith.stages.capture import CaptureConfig, capture
     from draftsmith.stages.export import export_drafter
-    from draftsmith.stages.generate import GenerateConfig, generate
-    from draftsmith.stages.train import load_config, train
+    from draftsmith.stages.generate.config import GenerateConfig
+    from draftsmith.stages.generate.run import generate
+    from draftsmith.stages.train.config import load_config
+    from draftsmith.stages.train.run import train
 
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")

@@ -18,7 +18,7 @@ ENGINES_ONE_LOWER = frozenset({"sglang", "specforge", "eagle"})  # config ids = 
 
 
 class ConventionError(DraftsmithError, ValueError):
-    """A value that one engine's convention cannot express."""
+    """A drafter or value that one engine's layout cannot express without losing something."""
 
 
 # --- aux layer ids -----------------------------------------------------------------------------------------

@@ -19,6 +19,5 @@ class UsageError(DraftsmithError, ValueError):
 
 
 def one_line(e: BaseException) -> str:
-    """The first non-empty line of an error's message, or its type's name."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    """An error's message on one line (whitespace runs collapsed), or its type's name."""
+    return " ".join(str(e).split()) or type(e).__name__

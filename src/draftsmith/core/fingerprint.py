@@ -20,6 +20,21 @@ def config_fingerprint(config) -> str:
     return _sha({k: v for k, v in d.items() if k not in _VOLATILE})
 
 
+def target_fingerprint(config, *, architecture: str | None = None) -> dict:
+    """What identifies a target for later stages (a store or drafter made for another refuses it).
+
+    ``config`` is the text config (a multimodal wrapper's language model config); ``architecture`` is the
+    model class's name, known only where the model itself is loaded, so a heads-only view leaves it out.
+    """
+    return {
+        **({"architecture": architecture} if architecture is not None else {}),
+        "config_sha256": config_fingerprint(config),
+        "num_layers": int(config.num_hidden_layers),
+        "hidden_size": int(config.hidden_size),
+        "vocab_size": int(config.vocab_size),
+    }
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Short hash of the vocabulary, special tokens and chat template (training data depends on all three)."""
     vocab = tokenizer.get_vocab()

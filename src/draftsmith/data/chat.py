@@ -8,24 +8,31 @@ sentinel messages to learn what it emits after an assistant's content (its end-o
 conversation is rendered as text, each assistant content is located in that text, extended over the
 marker, and the character spans are mapped onto tokens through the fast tokenizer's offsets.
 
-It also reads the usual JSONL chat dumps (ShareGPT, OpenAI messages, plain prompts) and exposes the
+Records come in through `draftsmith.data.records` (re-exported here); this module also exposes the
 template prefixes a Magpie-style generator needs to let the target write its own prompts.
 """
 
 from __future__ import annotations
 
 import bisect
-import gzip
-import hashlib
-import json
 import re
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.data.records import (
+    ROLES,
+    Conversation,
+    EmptyConversation,
+    RecordError,
+    assistant_content,
+    conversation_id,
+    normalize_message,
+    parse_record,
+    read_jsonl,
+)
 
 __all__ = [
     "ROLES",
@@ -51,21 +58,6 @@ __all__ = [
     "user_turn_prefix",
 ]
 
-ROLES = ("system", "user", "assistant")
-
-# ShareGPT dumps use many speaker names; the common ones map onto the three roles we train on.
-_ROLE_ALIASES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-}
-
 # Sentinels for probing templates: plain ASCII without whitespace so `| trim` and friends leave them alone.
 _USER_PROBE = "dsprobeU7f3a9c"
 _USER_PROBE_2 = "dsprobeV7f3a9c"
@@ -77,10 +69,6 @@ class ChatTemplateError(DraftsmithError, ValueError):
     """The tokenizer's chat template is missing, fails to render, or hides the assistant's content."""
 
 
-class EmptyConversation(DraftsmithError, ValueError):
-    """Nothing to learn from: no messages, no assistant content, or no assistant token left."""
-
-
 class SequenceTooLong(DraftsmithError, ValueError):
     """The tokenized conversation exceeds `max_length` and truncation was not allowed."""
 
@@ -88,24 +76,6 @@ class SequenceTooLong(DraftsmithError, ValueError):
         super().__init__(f"conversation has {length} tokens, more than max_length={max_length}")
         self.length = length
         self.max_length = max_length
-
-
-class RecordError(DraftsmithError, ValueError):
-    """A JSONL line that is not a JSON object (bad JSON, bad UTF-8); carries the 1-based line number."""
-
-    def __init__(self, message: str, line_no: int, path: str | None = None) -> None:
-        where = f"{path}: " if path else ""
-        super().__init__(f"{where}line {line_no}: {message}")
-        self.line_no = line_no
-        self.path = path
-
-
-@dataclass
-class Conversation:
-    """A normalised conversation: messages are ``{"role": system|user|assistant, "content": str}``."""
-
-    id: str
-    messages: list[dict[str, str]]
 
 
 @dataclass
@@ -133,150 +103,6 @@ class ChatFormat:
     name: str
     assistant_ends: tuple[str, ...]
     stop_texts: tuple[str, ...] = field(default=())
-
-
-# --------------------------------------------------------------------------------------------------------
-# Input parsing
-
-
-def assistant_content(message: Mapping[str, Any]) -> str:
-    """Assistant text with any reasoning kept, in the ``<think>`` form reasoning models emit.
-
-    OpenAI-compatible servers with a reasoning parser (vLLM, SGLang) split the thinking off into
-    `reasoning_content`; a drafter for such a target must still learn to draft the thinking.
-    """
-    content = _content_text(message.get("content"))
-    reasoning = message.get("reasoning_content")
-    if reasoning is None:
-        reasoning = message.get("reasoning")
-    if isinstance(reasoning, str) and reasoning:
-        return "<think>\n" + reasoning + "\n</think>\n\n" + content
-    return content
-
-
-def conversation_id(messages: Sequence[Mapping[str, str]]) -> str:
-    """Stable short id: sha256 of the canonical JSON of the normalised messages (dedup-friendly)."""
-    canonical = json.dumps(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
-        sort_keys=True,
-        ensure_ascii=False,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
-
-
-def parse_record(record: Mapping[str, Any], line_no: int) -> Conversation:
-    """Normalise one JSONL record in ShareGPT, OpenAI-messages or plain-prompt shape.
-
-    Raises ValueError (EmptyConversation when there is nothing in it) whose message starts with the
-    line number, so a bad record in a million-line dump can be found.
-    """
-    where = f"line {line_no}"
-    if not isinstance(record, Mapping):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "messages" in record:
-        raw, key = record["messages"], "messages"
-    elif "conversations" in record:
-        raw, key = record["conversations"], "conversations"
-    elif "prompt" in record:
-        prompt = record["prompt"]
-        if not isinstance(prompt, str):
-            raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
-        if not prompt.strip():
-            raise EmptyConversation(f"{where}: empty prompt")
-        raw, key = [{"role": "user", "content": prompt}], "prompt"
-    else:
-        keys = ", ".join(sorted(map(str, record))) or "none"
-        raise ValueError(
-            f"{where}: unknown record shape (keys: {keys}); expected 'conversations' (ShareGPT), "
-            "'messages' (OpenAI) or 'prompt'"
-        )
-    if not isinstance(raw, list):
-        raise ValueError(f"{where}: {key!r} must be a list, got {type(raw).__name__}")
-    messages = [_normalize_message(m, f"{where}: {key}[{i}]") for i, m in enumerate(raw)]
-    system = record.get("system")
-    if isinstance(system, str) and system.strip() and (not messages or messages[0]["role"] != "system"):
-        messages.insert(0, {"role": "system", "content": system})
-    if not messages:
-        raise EmptyConversation(f"{where}: no messages")
-    rid = record.get("id")
-    cid = str(rid) if rid is not None and str(rid) != "" else conversation_id(messages)
-    return Conversation(id=cid, messages=messages)
-
-
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, Conversation | Exception]]:
-    """Yield ``(line_no, Conversation)`` or ``(line_no, error)`` per non-blank line; never raises for one.
-
-    Data dumps are messy and a single bad line must not kill an hour-long run: the caller counts and
-    reports errors. Line numbers are 1-based; ``.gz`` files are read transparently.
-    """
-    p = Path(path)
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            try:
-                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                yield line_no, RecordError(f"invalid UTF-8: {exc.reason}", line_no, str(p))
-                continue
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield line_no, RecordError(f"invalid JSON: {exc.msg} (column {exc.colno})", line_no, str(p))
-                continue
-            try:
-                yield line_no, parse_record(record, line_no)
-            except ValueError as exc:
-                yield line_no, exc
-
-
-def _content_text(content: Any) -> str:
-    """Message content as text; OpenAI's list-of-parts form is joined, None (tool calls) becomes ""."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and "text" in part:
-                parts.append(str(part["text"]))
-            else:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(f"non-text content part ({kind}) is not supported")
-        return "".join(parts)
-    raise ValueError(f"content must be a string, got {type(content).__name__}")
-
-
-def _normalize_message(message: Any, where: str) -> dict[str, str]:
-    """Map a ShareGPT or OpenAI message onto ``{"role", "content"}``, folding reasoning into content."""
-    if not isinstance(message, Mapping):
-        raise ValueError(f"{where}: expected an object, got {type(message).__name__}")
-    raw_role = message.get("role", message.get("from"))
-    if not isinstance(raw_role, str):
-        raise ValueError(f"{where}: missing role ('role' or 'from')")
-    role = _ROLE_ALIASES.get(raw_role.strip().lower())
-    if role is None:
-        raise ValueError(f"{where}: unknown role {raw_role!r}; expected one of {sorted(_ROLE_ALIASES)}")
-    if "content" in message:
-        raw_content = message["content"]
-    elif "value" in message:
-        raw_content = message["value"]
-    else:
-        raise ValueError(f"{where}: missing content ('content' or 'value')")
-    try:
-        content = (
-            assistant_content({**message, "content": raw_content})
-            if role == "assistant"
-            else _content_text(raw_content)
-        )
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    return {"role": role, "content": content}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -421,7 +247,7 @@ def chat_format(tokenizer: Any) -> ChatFormat:
 
 
 def _prepare(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    return [_normalize_message(m, f"message {i}") for i, m in enumerate(messages)]
+    return [normalize_message(m, f"message {i}") for i, m in enumerate(messages)]
 
 
 def _find_candidates(content: str, assistant: bool) -> list[str]:

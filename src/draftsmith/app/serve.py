@@ -1,0 +1,66 @@
+"""``draftsmith serve``: doctor the pair for vLLM first, then run ``vllm serve`` with ``--speculative-config``.
+
+Doctor's findings go to stderr and the launch is refused on blocking ones (a 25-minute load would fail or
+accept ~nothing); the exact ``vllm serve`` command is printed before it runs (``--dry-run``: only printed).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from draftsmith.core.conventions import speculative_config
+from draftsmith.stages.doctor import diagnose
+
+
+def serve_command(target: str | Path, drafter: str | Path, num_speculative_tokens: int = 3, *,
+                  port: int | None = None, extra_args: Sequence[str] = (), vllm_bin: str = "vllm") -> list[str]:
+    """The exact ``vllm serve`` argv for an EAGLE-3 pair (paths made absolute: vLLM may run elsewhere)."""
+    if num_speculative_tokens < 1:
+        raise ValueError("--num-speculative-tokens must be >= 1")
+    clash = [a for a in extra_args if a.split("=", 1)[0] in ("--speculative-config", "--speculative_config", "-sc")]
+    if clash:
+        raise ValueError(f"{clash[0]}: draftsmith serve writes --speculative-config itself; drop it from the extra "
+                         "arguments (use --num-speculative-tokens)")
+    target_arg = str(Path(target).expanduser().resolve()) if Path(target).expanduser().exists() else str(target)
+    cmd = [vllm_bin, "serve", target_arg, "--speculative-config",
+           json.dumps(speculative_config(drafter, num_speculative_tokens))]
+    if port is not None:
+        cmd += ["--port", str(port)]
+    return cmd + list(extra_args)
+
+
+def serve(target: str | Path, drafter: str | Path, num_speculative_tokens: int = 3, *, port: int | None = None,
+          extra_args: Sequence[str] = (), dry_run: bool = False, force: bool = False,
+          engine_version: str | None = None, vllm_bin: str | None = None, out=None, err=None) -> int:
+    """Doctor the pair for vLLM, refuse on blocking findings (unless ``force``), print and run ``vllm serve``.
+
+    Returns the exit code: 1 refused or vLLM's own exit code, 0 for a dry run that would launch.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    report = diagnose(target, drafter, engine="vllm", engine_version=engine_version)
+    print(report.summary(), file=err)
+    if report.blocking and not force:
+        print("draftsmith serve: refusing to launch: the findings above would fail at load or accept ~nothing "
+              "(--force launches anyway)", file=err)
+        return 1
+    binary = vllm_bin or shutil.which("vllm") or "vllm"
+    cmd = serve_command(target, drafter, num_speculative_tokens, port=port, extra_args=extra_args, vllm_bin=binary)
+    print(shlex.join(cmd), file=out, flush=True)
+    if dry_run:
+        return 0
+    if shutil.which(binary) is None and not Path(binary).is_file():
+        raise FileNotFoundError(f"{binary}: vLLM's command not found (install vllm, or pass --vllm-bin PATH)")
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["serve", "serve_command"]

@@ -1,0 +1,81 @@
+"""safetensors files read by their header: tensor names, dtypes, shapes and byte offsets, without loading weights.
+
+``draftsmith doctor`` checks a drafter from its headers alone; ``read_small_tensor`` then reads just the
+``d2t``/``t2d`` tensors by their offsets.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+_SMALL_TENSOR_BYTES = 64 << 20  # d2t/t2d of any real vocabulary fit far below this
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors dtype: F32, BF16, I64, BOOL, ...
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offsets in the file
+    end: int
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
+    """Tensor names, dtypes, shapes and offsets from a safetensors file's JSON header (nothing else is read)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    base = 8 + n
+    return {name: TensorInfo(v["dtype"], tuple(v["shape"]), path, base + v["data_offsets"][0],
+                             base + v["data_offsets"][1])
+            for name, v in header.items() if name != "__metadata__"}
+
+
+def read_small_tensor(info: TensorInfo):
+    """One small tensor (d2t, t2d) read by its offsets, without touching the rest of the file."""
+    import torch
+
+    dtypes = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    if info.dtype not in dtypes:
+        raise ValueError(f"unsupported dtype {info.dtype}")
+    if info.end - info.start > _SMALL_TENSOR_BYTES:
+        raise ValueError(f"tensor of {info.end - info.start} bytes is not small")
+    with open(info.file, "rb") as f:
+        f.seek(info.start)
+        data = f.read(info.end - info.start)
+    if len(data) != info.end - info.start:
+        raise ValueError(f"{info.file}: truncated (tensor data ends past the end of the file)")
+    t = torch.frombuffer(bytearray(data), dtype=dtypes[info.dtype]) if data else torch.empty(0, dtype=dtypes[
+        info.dtype])
+    return t.reshape(info.shape)
+
+
+def read_checkpoint_headers(path: Path) -> tuple[dict[str, TensorInfo], str]:
+    """All tensors of a checkpoint directory (single file or sharded index) and the file they came from."""
+    single = path / "model.safetensors"
+    if single.is_file():
+        return read_safetensors_header(single), single.name
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        out: dict[str, TensorInfo] = {}
+        for shard in sorted(set(weight_map.values())):
+            out.update(read_safetensors_header(path / shard))
+        return out, index.name
+    shards = sorted(path.glob("*.safetensors"))
+    if len(shards) == 1:
+        return read_safetensors_header(shards[0]), shards[0].name
+    raise FileNotFoundError("no model.safetensors or model.safetensors.index.json")
+
+
+__all__ = ["TensorInfo", "read_checkpoint_headers", "read_safetensors_header", "read_small_tensor"]

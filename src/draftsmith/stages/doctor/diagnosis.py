@@ -1,0 +1,88 @@
+"""``diagnose``: resolve the directories, set up what the checks read, then run the checks in order."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from draftsmith.core import vllm_facts
+from draftsmith.core.pysource import VllmSource
+from draftsmith.stages.doctor.aux_checks import check_aux_layers
+from draftsmith.stages.doctor.drafter_checks import check_drafter_config, check_vocab_mapping, check_weights
+from draftsmith.stages.doctor.engine_checks import check_vllm_target
+from draftsmith.stages.doctor.report import ENGINES, DoctorReport, DoctorUsageError, Findings
+from draftsmith.stages.doctor.state import EngineFacts, load_drafter, load_target, setup_engine
+from draftsmith.stages.doctor.target_checks import check_target, check_tokenizer
+
+
+def diagnose(target: str | Path, drafter: str | Path | None = None, *, engine: str = "vllm",
+             engine_version: str | None = None, vllm_import: bool = False,
+             vllm_source: VllmSource | None = None) -> DoctorReport:
+    """Check a target (and drafter) against an engine; never raises for a broken pair, only for bad arguments.
+
+    ``engine_version``: check against this vLLM version's facts instead of the installed vLLM (or when none is
+    installed). ``vllm_import``: ask the real class through vLLM's registry (exact, but importing vLLM takes
+    5-15 s) instead of reading its source. ``vllm_source``: a vLLM source tree to read (tests).
+    """
+    t0 = time.perf_counter()
+    if engine not in ENGINES:
+        raise DoctorUsageError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine_version is not None:
+        try:
+            vllm_facts.parse_version(engine_version)
+        except ValueError as e:
+            raise DoctorUsageError(str(e)) from e
+    target_dir = _target_dir(target)
+    drafter_dir = _drafter_dir(drafter) if drafter is not None else None
+    report = DoctorReport(target=str(target_dir), drafter=str(drafter_dir) if drafter_dir else None, engine=engine,
+                          engine_version=None, engine_profile=None, engine_source="n/a")
+    out = Findings(report)
+    facts = setup_engine(out, engine, engine_version, vllm_source, vllm_import)
+    _run_checks(out, facts, target_dir, drafter_dir)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_dir: Path | None) -> None:
+    """Target side first, then the drafter against it; a config that cannot be read stops what depends on it."""
+    t = load_target(out, target_dir)
+    if t is None:
+        return
+    check_target(out, engine, t)
+    check_tokenizer(out, t)
+    if engine.name == "vllm":
+        check_vllm_target(out, engine, t)
+    d = load_drafter(out, drafter_dir) if drafter_dir is not None else None
+    if d is None:
+        return
+    check_drafter_config(out, engine, t, d)
+    check_weights(out, engine, d)
+    check_aux_layers(out, engine, t, d)
+    check_vocab_mapping(out, engine, t, d)
+
+
+def _target_dir(target: str | Path) -> Path:
+    p = Path(target).expanduser()
+    if str(target) == "smollm2" and not p.exists():  # the embedded default (converted once to a directory)
+        from draftsmith.model.sources import ensure_smollm2
+
+        return ensure_smollm2()
+    if not p.exists():
+        raise DoctorUsageError(f"{target}: no such file or directory (doctor reads a local model directory)")
+    if p.is_file() or not (p / "config.json").is_file():
+        kind = "a GGUF file" if p.suffix == ".gguf" or any(p.glob("*.gguf")) else "not a model directory"
+        raise DoctorUsageError(f"{target}: {kind}; doctor reads a model directory with config.json, tokenizer "
+                               "files and safetensors")
+    return p
+
+
+def _drafter_dir(drafter: str | Path) -> Path:
+    p = Path(drafter).expanduser()
+    if not p.is_dir():
+        raise DoctorUsageError(f"{drafter}: no such drafter directory")
+    if not (p / "config.json").is_file():
+        raise DoctorUsageError(f"{drafter}: not a drafter directory (no config.json)")
+    return p
+
+
+__all__ = ["diagnose"]

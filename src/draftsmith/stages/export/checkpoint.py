@@ -1,0 +1,81 @@
+"""The canonical in-memory drafter checkpoint every layout is read into and written from, and the layouts' names."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.core import vocab as vocab_mod
+from draftsmith.core.conventions import ConventionError
+from draftsmith.model.drafter import DrafterConfig, Eagle3Drafter
+
+EXPORT_FORMATS = ("sglang", "vllm", "speculators")
+IMPORT_FORMATS = ("eagle", "sglang", "vllm", "speculators", "draftsmith")
+MANIFEST_FILE = "draftsmith-export.json"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+# Architectures vLLM 0.32's registry maps onto llama_eagle3.Eagle3LlamaForCausalLM (parallel-drafting PEagle
+# variants excluded: they need a mask_hidden tensor draftsmith's drafter has no use for), plus the plain Llama
+# name EAGLEConfig prefixes with "Eagle3".
+LLAMA_EAGLE3_ARCHITECTURES = {
+    SGLANG_ARCHITECTURE, VLLM_ARCHITECTURE, SPECULATORS_ARCHITECTURE, "LlamaForCausalLM",
+    "Eagle3MiniMaxM2ForCausalLM", "Eagle3Qwen2_5vlForCausalLM", "Eagle3Qwen3vlForCausalLM",
+}
+# Config switches of EAGLE-3 variants whose computation draftsmith's drafter does not implement.
+_UNSUPPORTED_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias", "bias")
+
+
+# Export and import fail with the conventions module's error: converting between layouts is its concern.
+ExportError = ConventionError
+
+
+# --- the canonical in-memory checkpoint -----------------------------------------------------------------
+@dataclass
+class DrafterCheckpoint:
+    """A drafter as plain data: config plus tensors under draftsmith's names (``layers.0.*``, ``d2t``, ``t2d``).
+
+    ``aux_known`` is False for checkpoints that never said which target layers they read (the reference
+    EAGLE-3 releases): engines then use the target's default (2, N//2, N-3), and so does ``load_drafter``.
+    """
+
+    config: DrafterConfig
+    state: dict[str, torch.Tensor]
+    aux_known: bool = True
+    source: str = "<in memory>"
+    source_format: str = "draftsmith"
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.state["fc.weight"].dtype
+
+    @property
+    def has_own_embedding(self) -> bool:
+        return "embed_tokens.weight" in self.state
+
+    @property
+    def n_aux(self) -> int:
+        return self.state["fc.weight"].shape[1] // self.config.target_hidden_size
+
+    @classmethod
+    def from_drafter(cls, drafter: Eagle3Drafter) -> DrafterCheckpoint:
+        state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+        return cls(config=dataclasses.replace(drafter.config), state=state)
+
+    def build(self) -> Eagle3Drafter:
+        """An ``Eagle3Drafter`` holding exactly these tensors (strict load: every shape is checked)."""
+        cfg = self.config
+        if not self.aux_known:  # fc's width needs a count; the ids themselves stay unknown
+            cfg = dataclasses.replace(cfg, aux_layer_ids=tuple(range(self.n_aux)))
+        dv = vocab_mod.DraftVocab(d2t=self.state["d2t"], t2d=self.state["t2d"])
+        drafter = Eagle3Drafter(cfg, draft_vocab=dv, own_embedding=self.has_own_embedding).to(self.dtype)
+        try:
+            drafter.load_state_dict(self.state, strict=True)
+        except RuntimeError as e:
+            raise ExportError(f"{self.source}: tensors do not fit the config: {' '.join(str(e).split())}") from e
+        return drafter.eval()

@@ -1,0 +1,242 @@
+"""``train``: set a run up (data source, teacher, drafter, optimizer, scheduler, resume state), loop, save.
+
+Each ``_setup_x`` builds one piece in the order the run has always built them (the order fixes what the
+seeded RNG yields), and ``loop.train_loop`` runs the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from draftsmith.core import vocab as vocab_mod
+from draftsmith.core.conventions import default_aux_layers
+from draftsmith.model.drafter import Eagle3Drafter, load_drafter, new_drafter
+from draftsmith.stages.train.checkpoints import load_checkpoint, save_drafter_atomic
+from draftsmith.stages.train.config import TrainConfig, TrainError, config_hash
+from draftsmith.stages.train.data import OnlineSource, StoreSource, make_batches, split_eval
+from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
+from draftsmith.stages.train.loop import Run, Teacher, dist_info, setup_distributed, train_loop, use_autocast
+
+LOCK_NAME = ".train.lock"
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    best_simulated_acceptance_length: float
+    last_eval: dict
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    setup_distributed(cfg.device)
+    rank, world = dist_info()
+    out = Path(cfg.out)
+    lock = _lock_out(out, rank)
+    try:
+        return _train(cfg, rank, world, out)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_out(out: Path, rank: int):
+    """Rank 0 holds ``OUT/.train.lock`` for the whole run: a second run into the same --out is refused."""
+    if rank != 0:
+        return None
+    from draftsmith.core.io import ExclusiveLock, LockHeld
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return ExclusiveLock(out / LOCK_NAME, "this run directory")
+    except LockHeld as e:
+        raise TrainError(f"another train run is using {out} ({out / LOCK_NAME} is locked); wait for it to "
+                         f"finish or choose another --out") from e
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
+    device = _setup_device(cfg, world)
+    dtype = _resolve_dtype(cfg)
+    compute_dtype = torch.float32  # master weights; matmuls under bf16 autocast where that is native
+    autocast = use_autocast(cfg.autocast, device)
+    torch.manual_seed(cfg.seed)
+
+    source, heads, aux_layers, dv = _setup_source(cfg, device, dtype, compute_dtype)
+    drafter = _setup_drafter(cfg, heads, dv, aux_layers, device, compute_dtype)
+    teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype)
+    train_idx, eval_idx = split_eval(source.ids, cfg.eval_fraction)
+    total_steps = _total_steps(cfg, train_idx, source.lengths, world)
+    params, opt, sched = _setup_optimizer(cfg, drafter, total_steps, world)
+    state = _setup_state(cfg, out, drafter, opt, sched)
+    log = MetricsLog(out, rank)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        if cfg.resume:  # the steps after the checkpoint run again: their old rows go, so each step is logged once
+            log.drop_after(int(state["step"]))
+
+    bar = progress_bar(cfg, rank, total_steps, state["step"])
+    last_eval = train_loop(Run(cfg, out, device, autocast, rank, world, source, train_idx, eval_idx, total_steps,
+                               drafter, teacher, params, opt, sched, state, log, bar))
+    if bar is not None:
+        bar.close()
+    if rank == 0:
+        save_drafter_atomic(drafter, out / "final")
+        if not (out / "best").exists():
+            save_drafter_atomic(drafter, out / "best")
+        if cfg.plot:
+            plot_run(out)
+    return TrainResult(out, state["step"], state["best_tau"], last_eval)
+
+
+# --- setup ------------------------------------------------------------------------------------------------
+def _setup_device(cfg: TrainConfig, world: int) -> torch.device:
+    """The configured device; under torchrun with CUDA, this rank's GPU."""
+    return torch.device(cfg.device if not cfg.device.startswith("cuda") or world == 1
+                        else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+
+
+def _resolve_dtype(cfg: TrainConfig) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def _setup_source(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype):
+    """The data source and the target pieces it needs: (source, heads, aux layer ids, draft vocab).
+
+    Offline reads only the target's embedding and lm_head; online loads the whole target into the loop.
+    The draft vocabulary comes from ``cfg.vocab``, else the store's, else (online) the conversations' tokens,
+    else the identity over the first ``draft_vocab_size`` ids.
+    """
+    if cfg.store is not None:
+        from draftsmith.data.store import FeatureStore
+        from draftsmith.model.target import load_target_heads
+
+        store = FeatureStore(cfg.store, out_dtype=compute_dtype)
+        heads = load_target_heads(cfg.target, device=str(device), dtype=compute_dtype)
+        _check_store(store, heads, cfg)
+        _verify_store(store)
+        source = StoreSource(store, cfg.max_length, compute_dtype)
+        aux_layers = tuple(store.meta.get("aux_layer_ids") or ())
+        vocab_path = Path(cfg.vocab) if cfg.vocab else Path(cfg.store) / "vocab.safetensors"
+        dv = vocab_mod.load_vocab(vocab_path, heads.vocab_size) if vocab_path.is_file() else None
+    else:
+        from draftsmith.model.target import heads_of, load_target
+
+        target = load_target(cfg.target, device=str(device), dtype=dtype)
+        heads = heads_of(target)
+        source = OnlineSource(target, cfg.conversations, cfg.max_length)
+        aux_layers = target.aux_layers
+        dv = vocab_mod.load_vocab(Path(cfg.vocab), heads.vocab_size) if cfg.vocab else None
+        if dv is None:
+            dv = _vocab_from_items(source, heads.vocab_size, cfg.draft_vocab_size)
+    if dv is None:
+        dv = vocab_mod.identity(heads.vocab_size, cfg.draft_vocab_size)
+    return source, heads, aux_layers, dv
+
+
+def _check_store(store, heads, cfg: TrainConfig) -> None:
+    """Refuse a store captured from another target (unless forced): it would train on the wrong features."""
+    from draftsmith.data.store import StoreMismatch, check_store_matches_target
+
+    try:
+        check_store_matches_target(store, heads, force=cfg.force)
+    except StoreMismatch as e:
+        raise TrainError(f"{e} (pass --force to train on it anyway)") from e
+
+
+def _verify_store(store) -> None:
+    """sha256 every shard before the first step: a bad late shard must not stop a long run mid-way.
+
+    Hashing reads each shard once, which is cheap next to training; the reads during training skip it.
+    """
+    from draftsmith.data.store import StoreCorrupt
+
+    try:
+        store.verify_all()
+    except StoreCorrupt as e:
+        raise TrainError(str(e)) from e
+
+
+def _vocab_from_items(source: OnlineSource, vocab_size: int, draft_vocab_size: int) -> vocab_mod.DraftVocab:
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for ids, mask in source.items:
+        counts.index_add_(0, ids[mask], torch.ones(int(mask.sum()), dtype=torch.float64))
+    dv, _coverage = vocab_mod.from_counts(counts, draft_vocab_size)
+    return dv
+
+
+def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
+    """``cfg.init_drafter`` bound to the target's embedding, or a fresh drafter sized from the target's config."""
+    if cfg.init_drafter:
+        drafter = load_drafter(cfg.init_drafter, device=device, dtype=dtype)
+        drafter.bind_embeddings(heads.embed_tokens)
+        return drafter.train()
+
+    from types import SimpleNamespace
+
+    from draftsmith.core.fingerprint import target_fingerprint
+
+    n_layers = int(heads.config.num_hidden_layers)
+    fingerprint = target_fingerprint(heads.config)
+    # The few attributes DrafterConfig.from_target and new_drafter read; the full target need not be loaded.
+    like_target = SimpleNamespace(
+        config=heads.config, vocab_size=heads.vocab_size, hidden_size=heads.hidden_size,
+        embed_tokens=heads.embed_tokens, aux_layers=aux_layers or default_aux_layers(n_layers),
+        device=torch.device(device), dtype=dtype, fingerprint=lambda: fingerprint)
+    drafter = new_drafter(like_target, draft_vocab=dv, seed=cfg.seed)
+    return drafter.to(device=device, dtype=dtype).train()
+
+
+def _setup_teacher(drafter: Eagle3Drafter, heads, device: torch.device, autocast: bool,
+                   compute_dtype: torch.dtype) -> Teacher:
+    # The teacher's products run in the autocast dtype: convert the head once, not in every call.
+    lm_head = heads.lm_head_weight.to(device=device, dtype=torch.bfloat16 if autocast else compute_dtype)
+    target_ids = drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=device))
+    return Teacher(lm_head, target_ids, drafter.t2d, heads.final_logit_softcapping)
+
+
+def _total_steps(cfg: TrainConfig, train_idx: list[int], lengths: list[int], world: int) -> int:
+    """``max_steps``, else the optimizer steps ``epochs`` passes over this rank's share of the batches give."""
+    batches_per_epoch = len(make_batches(train_idx, lengths, cfg.batch_tokens, cfg.seed)) // world
+    steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
+    return cfg.max_steps or steps_per_epoch * cfg.epochs
+
+
+def _setup_optimizer(cfg: TrainConfig, drafter: Eagle3Drafter, total_steps: int, world: int):
+    """(trainable params, AdamW, warmup + cosine LambdaLR), after every rank starts from rank 0's weights."""
+    if world > 1:  # same seed gives the same init; make it explicit (init_drafter, RNG differences)
+        for p in drafter.parameters():
+            dist.broadcast(p.data, src=0)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg, total_steps))
+    return params, opt, sched
+
+
+def _lr_lambda(cfg: TrainConfig, total_steps: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def _setup_state(cfg: TrainConfig, out: Path, drafter, opt, sched) -> dict:
+    """A fresh position, or the checkpoint's with ``resume``; a fresh run refuses a directory holding one."""
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_tau": 0.0, "config_hash": config_hash(cfg)}
+    if cfg.resume:
+        state = load_checkpoint(out, cfg, drafter, opt, sched)
+    elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
+        raise TrainError(f"{out} already holds a run: pass --resume to continue it or choose another --out")
+    return state
