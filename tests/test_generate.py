@@ -631,3 +631,21 @@ def test_vllm_backend_worker_that_dies_is_a_clear_error(tmp_path, model_dir):
         generate(GenerateConfig(out=out, input=inp, target=str(model_dir), backend="vllm", vllm_python=str(fake),
                                 progress=False))
     assert not out.exists() or out.read_text() == ""
+
+
+def test_json_array_input_with_limit_drops_evaluation_prompts(tmp_path, target, monkeypatch):
+    """A truncated ShareGPT-style JSON array is read object by object; evaluation prompts are never generated."""
+    import draftsmith.stages.generate.run as run_mod
+
+    convs = [{"id": f"sg{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "OLD"}]}
+             for i, q in enumerate(["Name a colour.", "EVAL question?", "Count to three.", "Say hi."])]
+    text = json.dumps(convs)
+    inp = tmp_path / "sharegpt.json"
+    inp.write_text(text[: text.rindex('{"id"') + 10])  # the last object is cut off, as in the packaged file
+    monkeypatch.setattr(run_mod, "evaluation_keys", lambda: {"eval question?"})
+    s = generate(_cfg(tmp_path, input=inp, limit=2), target=target)
+    assert (s.new, s.skipped, s.total) == (1, 1, 2)  # the first two objects: one generated, one dropped
+    assert set(_records(s.out)) == {"sg0"}
+    s = generate(_cfg(tmp_path, input=inp), target=target)  # all three complete objects, resumed
+    assert (s.already, s.new, s.skipped, s.total) == (1, 1, 1, 3)
+    assert set(_records(s.out)) == {"sg0", "sg2"}

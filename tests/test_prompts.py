@@ -6,6 +6,7 @@ import json
 
 from draftsmith.data.prompts import (
     BenchPrompt,
+    EvaluationPromptDropped,
     drop_evaluation_prompts,
     prompt_key,
     training_overlap,
@@ -50,7 +51,7 @@ def test_evaluation_prompts_never_reach_training():
              for i, q in enumerate(["Write a  haiku about SPRING.", "unrelated question"])]
     keys = {prompt_key("write a haiku about spring.")}
     out = list(drop_evaluation_prompts(convs, keys))
-    assert isinstance(out[0][1], ValueError) and "evaluation prompt" in str(out[0][1])
+    assert isinstance(out[0][1], EvaluationPromptDropped) and "evaluation prompt" in str(out[0][1])
     assert out[1][1] is convs[1][1]
 
 

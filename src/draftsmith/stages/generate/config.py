@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.data.prompts import conversation_source
 
 BackendName = Literal["local", "vllm", "openai"]
 
@@ -34,7 +35,8 @@ class GenerateConfig:
     """Everything one run needs; the CLI builds it from flags, tests and the demo build it directly."""
 
     out: str | Path
-    input: str | Path | None = None  # JSONL of prompts/conversations; or None with self_prompt
+    input: str | Path | None = None  # JSONL / JSON-array conversations, or 'sharegpt'; or None with self_prompt
+    limit: int | None = None  # the first N conversations of the input (after evaluation prompts are dropped)
     self_prompt: int | None = None  # N questions written by the target itself (Magpie)
     backend: BackendName = "local"
     # local backend
@@ -75,14 +77,20 @@ class GenerateConfig:
     progress: bool = True
     fsync_every: float = 5.0  # seconds between fsyncs of the output
 
+    def input_path(self) -> Path:
+        """The input file: a path, or ShareGPT's file inside its PyPI package for 'sharegpt'."""
+        return conversation_source(self.input)  # type: ignore[arg-type]
+
     def validate(self) -> None:
         """Reject bad option values before anything is loaded (one-line errors at the CLI)."""
         if (self.input is None) == (self.self_prompt is None):
             raise GenerateError("give exactly one of an input file (--input) or --self-prompt N")
         if self.self_prompt is not None and self.self_prompt < 1:
             raise GenerateError(f"--self-prompt must be >= 1, got {self.self_prompt}")
-        if self.input is not None and not Path(self.input).is_file():
+        if self.input is not None and not self.input_path().is_file():
             raise FileNotFoundError(f"{self.input}: no such input file")
+        if self.limit is not None and self.limit < 1:
+            raise GenerateError(f"--limit must be >= 1, got {self.limit}")
         if self.backend not in ("local", "vllm", "openai"):
             raise GenerateError(f"unknown backend {self.backend!r}; expected local, vllm or openai")
         if self.backend == "vllm":

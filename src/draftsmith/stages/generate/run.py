@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -10,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import one_line
-from draftsmith.data.chat import Conversation, EmptyConversation, read_jsonl
+from draftsmith.data.chat import Conversation, EmptyConversation
+from draftsmith.data.prompts import EvaluationPromptDropped, drop_evaluation_prompts, evaluation_keys
+from draftsmith.data.records import read_records
 from draftsmith.stages.generate.backends import LocalBackend, VllmBackend, _Backend, _Sampling, _TokenBackend
 from draftsmith.stages.generate.config import GenerateConfig, GenerateError, GenerateSummary, errors_path
 from draftsmith.stages.generate.jobs import _Job, _Outcome, plan_turns
@@ -90,7 +93,7 @@ class _Tally:
         self.err_file = errors_path(out)
         self.writer = _Writer(out, cfg.fsync_every)
         self.errors = _Writer(self.err_file, cfg.fsync_every, mode="w")  # this run's failures only; they are retried
-        total = cfg.self_prompt if cfg.self_prompt is not None else _count_lines(Path(cfg.input))  # type: ignore[arg-type]
+        total = cfg.self_prompt if cfg.self_prompt is not None else _count_input(cfg)
         self.progress = _Progress(total, cfg.progress)
 
     def fail(self, line: int | None, cid: str | None, reason: str, *, worked: bool = True) -> None:
@@ -118,6 +121,8 @@ def _classify(item: Conversation | Exception, seen: set[str], finished: _Finishe
     """How one input line ends: ("job", segments), ("already", id), ("skip", reason) or ("error", reason)."""
     if isinstance(item, EmptyConversation):
         return "skip", "empty conversation"
+    if isinstance(item, EvaluationPromptDropped):
+        return "skip", "evaluation prompt"
     if isinstance(item, Exception):
         return "error", str(item)
     if item.id in seen:
@@ -134,7 +139,7 @@ def _classify(item: Conversation | Exception, seen: set[str], finished: _Finishe
 def _input_jobs(cfg: GenerateConfig, finished: _Finished, tally: _Tally) -> Iterator[_Job]:
     """Jobs for the input file's lines still to do; every other line is counted as it is read."""
     seen: set[str] = set()
-    for line, item in read_jsonl(cfg.input):  # type: ignore[arg-type]
+    for line, item in _input_records(cfg):
         tally.summary.total += 1
         kind, what = _classify(item, seen, finished, cfg.system)
         if kind == "skip":
@@ -150,6 +155,20 @@ def _input_jobs(cfg: GenerateConfig, finished: _Finished, tally: _Tally) -> Iter
 _SHOWN_BAD_LINES = 3
 
 
+def _input_records(cfg: GenerateConfig) -> Iterator[tuple[int, Conversation | Exception]]:
+    """The input's conversations, evaluation prompts dropped (never train on them), the first --limit."""
+    path = cfg.input_path()
+    records = drop_evaluation_prompts(read_records(path), evaluation_keys())
+    return itertools.islice(records, cfg.limit) if cfg.limit is not None else records
+
+
+def _count_input(cfg: GenerateConfig) -> int:
+    """The progress bar's total: records of a JSON array, non-blank lines of JSONL, at most --limit."""
+    path = cfg.input_path()
+    n = sum(1 for _ in read_records(path)) if path.suffix == ".json" else _count_lines(path)
+    return min(n, cfg.limit) if cfg.limit is not None else n
+
+
 def _check_usable_input(cfg: GenerateConfig, finished: _Finished) -> None:
     """Refuse an input with no conversation to generate or already generated, before the backend loads.
 
@@ -157,9 +176,9 @@ def _check_usable_input(cfg: GenerateConfig, finished: _Finished) -> None:
     number of lines and why the first few are unusable, on one line.
     """
     seen: set[str] = set()
-    path = str(cfg.input)
+    path = str(cfg.input_path())
     lines, bad = 0, []
-    for line, item in read_jsonl(cfg.input):  # type: ignore[arg-type]
+    for line, item in _input_records(cfg):
         lines += 1
         kind, what = _classify(item, seen, finished, cfg.system)
         if kind in ("job", "already"):
