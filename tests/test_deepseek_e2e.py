@@ -120,7 +120,9 @@ def test_tiny_deepseek_target_has_the_real_structure(tiny_dirs):
 def test_aux_capture_from_the_moe_mla_stack_equals_output_hidden_states(tiny_dirs):
     """Aux layers (2, N//2, N-3) = (2, 4, 5) captured by pre-hooks are output_hidden_states[L], exactly (fp32)."""
     for form in ("deepseek_v3", "kimi_k25_wrapper"):
-        target = load_target(tiny_dirs[form])
+        # Unpacked: oneDNN's prepacked kernels may round differently for differently aligned buffers, and
+        # this test compares two routes through the same weights bit for bit.
+        target = load_target(tiny_dirs[form], pack=False)
         assert target.aux_layers == (2, 4, 5) and target.config.model_type == "deepseek_v3"
         ids = torch.tensor([_chat_ids(target.tokenizer, c) for c in tiny_chat_corpus(2, seed=5)][:1])
         out = target(ids)

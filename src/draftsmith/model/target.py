@@ -9,6 +9,7 @@ They are captured with forward pre-hooks on just those layers, so no other layer
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -338,6 +339,18 @@ class Target:
 
     __call__ = forward
 
+    def pack(self) -> int:
+        """Prepack the linears with oneDNN for CPU fp32/bf16 inference (model/packing.py); how many."""
+        from draftsmith.model.packing import pack_linears
+
+        return pack_linears(self.model)
+
+    def unpack(self) -> int:
+        """Put the plain ``nn.Linear`` modules back (before training or reshaping the model); how many."""
+        from draftsmith.model.packing import unpack_linears
+
+        return unpack_linears(self.model)
+
     @torch.no_grad()
     def compute_logits(self, hidden_state: torch.Tensor) -> torch.Tensor:
         """Teacher logits from a stored final hidden state (applies Gemma-style soft-capping too)."""
@@ -388,8 +401,12 @@ def load_target(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     aux_layers: Sequence[int] | None = None,
+    pack: bool | None = None,
 ) -> Target:
-    """Load a target from a model directory, a GGUF file, or the name of the embedded default."""
+    """Load a target from a model directory, a GGUF file, or the name of the embedded default.
+
+    ``pack``: prepack CPU linears for inference (``Target.pack``); default on, ``DRAFTSMITH_PACK=0`` turns it off.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     from draftsmith.model.sources import resolve_model_path
@@ -426,7 +443,10 @@ def load_target(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError):
         tokenizer = None
-    return Target(model, tokenizer, aux_layers=aux_layers, name=str(path))
+    target = Target(model, tokenizer, aux_layers=aux_layers, name=str(path))
+    if pack if pack is not None else os.environ.get("DRAFTSMITH_PACK", "1").strip() != "0":
+        target.pack()
+    return target
 
 
 # Model types transformers does not register but whose weights are another architecture's (as vLLM maps them).
@@ -498,7 +518,7 @@ def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dty
     dtype = dtype or default_dtype(device)
     model_dir, gguf = resolve_model_path(path)
     if gguf:  # no tensor index in a GGUF: load it whole (small models only)
-        return heads_of(load_target(path, device=device, dtype=dtype))
+        return heads_of(load_target(path, device=device, dtype=dtype, pack=False))
     config = text_config_of(AutoConfig.from_pretrained(model_dir))
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
