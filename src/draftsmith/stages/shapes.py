@@ -1,0 +1,541 @@
+"""Hardware-aware drafting: pick the draft shape (and dtype) that pays most on this machine for this target.
+
+A shape pays ``tau(shape) * t_step / (t_verify(n) + t_draft(shape))``: tokens per round over the cost of a
+round, in units of a plain 1-token step. The verify curve ``t_verify(n)`` and the drafter step costs are
+measured here in a few seconds (interleaved, medians) and cached per machine and target; ``tau`` comes
+from the drafter's per-depth, per-rank acceptance, measured on a short calibration decode (cached per
+drafter). When no shape's expected speedup exceeds 1, the answer is plain decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftsmith.model.sources import cache_home
+from draftsmith.model.target import Target, cache_keep
+from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
+
+Shape = ChainSpec | TreeSpec
+
+#: Chains 1..8 and EAGLE-2 trees from narrow and shallow to EAGLE-2's own 6,10,60.
+DEFAULT_CANDIDATES: tuple[Shape, ...] = (
+    *(ChainSpec(k) for k in range(1, 9)),
+    *(TreeSpec(d, k, t) for d, k, t in ((2, 4, 6), (2, 6, 10), (3, 4, 8), (3, 6, 12), (3, 8, 16), (4, 6, 16),
+                                        (4, 8, 24), (5, 8, 32), (6, 8, 48), (6, 10, 60))),
+)
+#: Verified tokens (root incl.) at which the verify curve is measured; others are interpolated.
+DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_PROMPTS = (
+    "Explain how a hash table works and when you would use one.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Give me three tips for writing clear emails, with an example of each.",
+)
+
+
+# --- the cost model ----------------------------------------------------------------------------------------
+def _interp(points: dict[int, float], n: float) -> float:
+    """Piecewise-linear in n through the measured points, extended linearly past both ends."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]] * n / xs[0]
+    lo_i = 0
+    while lo_i < len(xs) - 2 and n > xs[lo_i + 1]:
+        lo_i += 1
+    x0, x1 = xs[lo_i], xs[lo_i + 1]
+    y0, y1 = points[x0], points[x1]
+    return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Seconds per pass, measured on one machine for one target (and drafter architecture).
+
+    ``verify[n]``: a target pass over n tokens (root incl.) with a causal mask (chain verify); ``tree_verify``
+    the same with a 4D tree mask (falls back to ``verify``); ``draft[w]``: one drafter step over w tokens
+    plus its head (w = 1 for a chain, top_k for a tree level).
+    """
+
+    t_step: float
+    verify: dict[int, float]
+    tree_verify: dict[int, float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+
+    def t_verify(self, n: int, tree: bool = False) -> float:
+        return _interp(self.tree_verify if tree and self.tree_verify else self.verify, n)
+
+    def t_draft(self, shape: Shape) -> float:
+        """A chain: k one-token steps. A tree: one step for the root, then depth-1 levels of top_k nodes."""
+        if not self.draft:
+            return 0.0
+        if isinstance(shape, ChainSpec):
+            return shape.k * _interp(self.draft, 1)
+        return _interp(self.draft, 1) + (shape.depth - 1) * _interp(self.draft, shape.top_k)
+
+    def to_dict(self) -> dict:
+        return {"t_step": self.t_step, **{k: {str(n): t for n, t in getattr(self, k).items()}
+                                          for k in ("verify", "tree_verify", "draft")}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VerifyCost:
+        return cls(float(d["t_step"]), *({int(n): float(t) for n, t in d.get(k, {}).items()}
+                                         for k in ("verify", "tree_verify", "draft")))
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """``ranks[d][j]``: how often the target's token at depth d+1 is the drafter's (j+1)-th choice there,
+    given that depths 1..d were accepted. A chain uses rank 0 only; a tree uses top_k ranks per depth.
+    Depths and ranks not measured count as never accepted."""
+
+    ranks: tuple[tuple[float, ...], ...]
+    source: str = "given"
+
+    def rank(self, depth: int, j: int) -> float:
+        if depth >= len(self.ranks) or j >= len(self.ranks[depth]):
+            return 0.0
+        return self.ranks[depth][j]
+
+    @classmethod
+    def from_chain(cls, acc: Sequence[float], source: str = "given") -> Acceptance:
+        """Top-1 conditional acceptance per position (as training's eval.json records it)."""
+        return cls(tuple((float(a),) for a in acc), source)
+
+    def to_dict(self) -> dict:
+        return {"ranks": [list(r) for r in self.ranks], "source": self.source}
+
+
+def tree_node_values(acc: Acceptance, shape: TreeSpec) -> list[float]:
+    """EAGLE-2's selection replayed on expected values: the kept nodes' probabilities of lying on the target's path.
+
+    Node value = product of its ranks' acceptance along its path (what the drafter's cumulative score estimates).
+    Each level expands the top_k best nodes of the previous level by top_k children; the total_tokens - 1 best
+    nodes overall are kept, as in ``SpeculativeDecoder._draft_tree``. At temperature 0 at most one child per
+    node matches, so the expected number of accepted tokens is the sum of the kept nodes' values.
+    """
+    k = shape.top_k
+    level = [acc.rank(0, j) for j in range(k)]
+    nodes = list(level)
+    for d in range(1, shape.depth):
+        frontier = sorted(level, reverse=True)[:k]
+        level = [v * acc.rank(d, j) for v in frontier for j in range(k)]
+        nodes += level
+    return sorted(nodes, reverse=True)[: shape.total_tokens - 1]
+
+
+def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
+    """Expected tokens per verify pass (accepted + the bonus): 1 + sum_k prod_{i<=k} a_i for a chain."""
+    if shape is None:
+        return 1.0
+    if isinstance(shape, ChainSpec):
+        tau, run = 1.0, 1.0
+        for d in range(shape.k):
+            run *= acc.rank(d, 0)
+            tau += run
+        return tau
+    return 1.0 + sum(tree_node_values(acc, shape))
+
+
+def verified_tokens(shape: Shape) -> int:
+    return shape.k + 1 if isinstance(shape, ChainSpec) else shape.total_tokens
+
+
+def expected_speedup(acceptance: Acceptance, shape: Shape | None, cost: VerifyCost) -> float:
+    """tau(shape) * t_step / (t_verify(shape) + t_draft(shape)); plain decoding (None) is 1 by definition."""
+    if shape is None:
+        return 1.0
+    per_round = cost.t_verify(verified_tokens(shape), isinstance(shape, TreeSpec)) + cost.t_draft(shape)
+    return expected_tau(acceptance, shape) * cost.t_step / per_round if per_round > 0 else 0.0
+
+
+def shape_name(shape: Shape | None) -> str:
+    if shape is None:
+        return "plain"
+    if isinstance(shape, ChainSpec):
+        return f"chain {shape.k}"
+    return f"tree {shape.depth},{shape.top_k},{shape.total_tokens}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen shape (None: plain decoding), its expected speedup, and a one-line reason."""
+
+    shape: Shape | None
+    speedup: float
+    reason: str
+    table: dict[str, float] = field(default_factory=dict)  # every candidate's expected speedup
+
+    def to_dict(self) -> dict:
+        return {"shape": shape_name(self.shape), "expected_speedup": self.speedup, "reason": self.reason,
+                "candidates": self.table}
+
+
+def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[Shape] = DEFAULT_CANDIDATES,
+                 max_top_k: int | None = None) -> Choice:
+    """The argmax of ``expected_speedup`` over the candidates, or plain decoding when none exceeds 1."""
+    usable = [s for s in candidates if max_top_k is None or not isinstance(s, TreeSpec) or s.top_k <= max_top_k]
+    table = {shape_name(s): expected_speedup(acceptance, s, cost) for s in usable}
+    best = max(usable, key=lambda s: table[shape_name(s)], default=None)
+    if best is None or table[shape_name(best)] <= 1.0:
+        top = f"; best was {shape_name(best)} at {table[shape_name(best)]:.2f}x" if best is not None else ""
+        return Choice(None, 1.0, f"no shape pays on this machine{top}", table)
+    tau = expected_tau(acceptance, best)
+    v = cost.t_verify(verified_tokens(best), isinstance(best, TreeSpec)) / cost.t_step
+    dr = cost.t_draft(best) / cost.t_step
+    others = []
+    for kind in (ChainSpec, TreeSpec):
+        rivals = [s for s in usable if isinstance(s, kind) and s != best]
+        if rivals and not isinstance(best, kind):
+            r = max(rivals, key=lambda s: table[shape_name(s)])
+            others.append(f"{shape_name(r)} {table[shape_name(r)]:.2f}x")
+    reason = (f"expected {table[shape_name(best)]:.2f}x: tau {tau:.2f} at verify {v:.2f}x + draft {dr:.2f}x a step; "
+              f"{', '.join([*others, 'plain 1.00x'])}")
+    return Choice(best, table[shape_name(best)], reason, table)
+
+
+def describe(choice: Choice, dtype_note: str = "") -> str:
+    """The line the CLI prints: what was chosen and why."""
+    extra = f"; {dtype_note}" if dtype_note else ""
+    return f"shape: {shape_name(choice.shape)} ({choice.reason}{extra})"
+
+
+# --- measuring ------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+def _tree_mask(n: int, prefix: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An additive [1, 1, n, prefix + n] mask as tree verify builds it (here: a causal tree, i.e. a chain)."""
+    allowed = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device),
+                         torch.ones(n, n, dtype=torch.bool, device=device).tril()], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@torch.no_grad()
+def measure_verify_cost(target: Target, drafter=None, ks: Sequence[int] = DEFAULT_KS, reps: int = 5,
+                        prefix: int = 128, draft_widths: Sequence[int] = (1, 4, 6, 8, 10), seed: int = 0) -> VerifyCost:
+    """Time target passes of k tokens after a ``prefix``-token KV cache (chain and tree masks) and drafter steps.
+
+    Every rep runs every measurement once, in a shuffled order, so machine noise lands on all alike; each
+    point is the median over reps. The cache is rolled back after each pass, as decoding does.
+    """
+    device = target.device
+    g = torch.Generator().manual_seed(seed)
+    vocab = target.vocab_size
+    ids = torch.randint(0, vocab, (1, prefix + max(ks)), generator=g).to(device)
+    cache = target.new_cache()
+    out = target(ids[:, :prefix], cache=cache, logits_to_keep=1)
+    jobs: dict[tuple[str, int], Callable[[], object]] = {}
+
+    def verify(n: int, tree: bool) -> Callable[[], object]:
+        pos = torch.arange(prefix, prefix + n, device=device)[None]
+        mask = _tree_mask(n, prefix, target.dtype, device) if tree else None
+
+        def run():
+            target(ids[:, prefix: prefix + n], cache=cache, attention_mask=mask, position_ids=pos if tree else None)
+            cache_keep(cache, prefix)
+        return run
+
+    for n in ks:
+        jobs[("verify", n)] = verify(n, False)
+        if n > 1:
+            jobs[("tree_verify", n)] = verify(n, True)
+    if drafter is not None:
+        from draftsmith.model.drafter import KVCache
+
+        dcache = KVCache()
+        h = drafter(drafter.fuse(out.aux_hidden_states), ids[:, 1: prefix + 1],
+                    torch.arange(prefix, device=device)[None], dcache)[:, -1:]
+
+        def draft(w: int) -> Callable[[], object]:
+            pos = torch.full((1, w), prefix, device=device)
+            mask = None if w == 1 else torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device),
+                                                  torch.eye(w, dtype=torch.bool, device=device)], 1)[None, None]
+            toks = ids[:, prefix: prefix + w]
+
+            def run():
+                o = drafter(h.expand(1, w, -1), toks, pos, dcache, mask)
+                drafter.logits(o)[0].float().log_softmax(-1).topk(min(w, drafter.config.draft_vocab_size), dim=-1)
+                dcache.crop(prefix)
+            return run
+
+        for w in sorted(set(draft_widths) | {1}):
+            jobs[("draft", w)] = draft(w)
+    for fn in jobs.values():  # warm-up: first calls allocate
+        fn()
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in jobs}
+    order = list(jobs)
+    rng = random.Random(seed)
+    for _ in range(reps):
+        rng.shuffle(order)
+        for key in order:
+            times[key].append(_timed(jobs[key], device))
+    med = {key: statistics.median(v) for key, v in times.items()}
+    part = {kind: {n: t for (k, n), t in med.items() if k == kind} for kind in ("verify", "tree_verify", "draft")}
+    if 1 in part["verify"]:
+        part["tree_verify"].setdefault(1, part["verify"][1])
+    part = {kind: _monotone(points) for kind, points in part.items()}
+    return VerifyCost(part["verify"][min(part["verify"])], part["verify"], part["tree_verify"], part["draft"])
+
+
+def _monotone(points: dict[int, float]) -> dict[int, float]:
+    """Running max over n: a pass over more tokens never costs less, so a dip is timing noise."""
+    out, top = {}, 0.0
+    for n in sorted(points):
+        top = max(top, points[n])
+        out[n] = top
+    return out
+
+
+@torch.no_grad()
+def step_time(target: Target, reps: int = 7, prefix: int = 128) -> float:
+    """Median seconds of a 1-token step after a ``prefix``-token cache (what plain decoding repeats)."""
+    return measure_verify_cost(target, None, ks=(1,), reps=reps, prefix=prefix).t_step
+
+
+# --- acceptance ---------------------------------------------------------------------------------------------
+def calibration_prompts(tokenizer, prompts: Sequence[str] = CALIBRATION_PROMPTS) -> list[list[int]]:
+    from draftsmith.data.chat import encode_prompt
+
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    return [list(encode_prompt(tokenizer, p, chat=chat)) for p in prompts]
+
+
+@torch.no_grad()
+def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int]], depth: int = 6,
+                         top_k: int = 10, max_new_tokens: int = 48) -> Acceptance:
+    """Per-depth, per-rank acceptance of the drafter on the target's own greedy continuations of ``prompts``.
+
+    Each prompt is decoded (chain 3: the same tokens as plain greedy, faster), then the drafter is unrolled
+    ``depth`` steps over the whole sequence the way training-time test unrolls it, which is what it computes
+    when drafting token d after d-1 accepted ones. Rank j at depth d counts how often the target's token is
+    the drafter's (j+1)-th choice there.
+    """
+    from draftsmith.data.chat import stop_token_ids
+    from draftsmith.model.ttt import TTTBatch, ttt_forward
+
+    stops = stop_token_ids(target.tokenizer) if target.tokenizer is not None else ()
+    decoder = SpeculativeDecoder(target, drafter, ChainSpec(3))
+    top_k = min(top_k, drafter.config.draft_vocab_size)
+    hits = torch.zeros(depth, top_k)
+    counts = torch.zeros(depth)
+    for prompt in prompts:
+        gen = decoder.generate(list(prompt), max_new_tokens, eos_token_ids=stops).token_ids
+        seq = torch.tensor([list(prompt) + gen], device=target.device)
+        n, start = seq.shape[1], len(prompt) + 1  # predicted tokens: the target's, after its first
+        out = target(seq)
+        batch = TTTBatch(seq, torch.ones_like(seq, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
+                         out.hidden_state, torch.tensor([n], device=seq.device))
+        teacher = (torch.zeros(1, n, 1, device=seq.device), torch.zeros_like(seq),
+                   torch.zeros_like(seq, dtype=torch.bool))  # nothing trained: only the unrolled states are read
+        unrolled: list[torch.Tensor] = []
+        ttt_forward(drafter, batch, teacher, depth, unroll_hidden=unrolled)
+        for d, h in enumerate(unrolled):
+            cols = torch.arange(max(0, start - 2 - d), n - 2 - d, device=seq.device)  # column t predicts t+2+d
+            if cols.numel() == 0:
+                continue
+            best = drafter.to_target_ids(drafter.logits(h[0, cols]).topk(top_k, dim=-1).indices)
+            match = best == seq[0, cols + 2 + d][:, None]
+            hits[d] += match.float().sum(0).cpu()
+            counts[d] += cols.numel()
+    # Rates conditional on the previous depths accepted: teacher forcing feeds the true tokens.
+    ranks = tuple(tuple((hits[d] / counts[d]).tolist()) if counts[d] else () for d in range(depth))
+    return Acceptance(ranks, f"calibration on {len(prompts)} prompts")
+
+
+def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
+    """Top-1 per-position accuracies that training wrote into best/eval.json (None when it did not)."""
+    path = Path(drafter_dir) / "eval.json"
+    try:
+        acc = json.loads(path.read_text())["acc"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Acceptance.from_chain(acc, f"training eval ({path})")
+
+
+# --- caching ----------------------------------------------------------------------------------------------
+def machine_key(device: torch.device | str = "cpu") -> dict:
+    """What the cost curve depends on besides the model: CPU (and its bf16/AMX flags), GPU, torch, threads."""
+    cpu, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not cpu:
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    device = torch.device(device)
+    return {"cpu": cpu, "flags": sorted(flags & {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx2"}),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device.type,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+
+
+def _cache_file(kind: str, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_home() / "shapes" / f"{kind}-{digest}.json"
+
+
+def cache_get(kind: str, key: dict) -> dict | None:
+    """The cached value for exactly this key, or None (missing, unreadable, or another key's file)."""
+    try:
+        data = json.loads(_cache_file(kind, key).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("value") if data.get("key") == json.loads(json.dumps(key, sort_keys=True)) else None
+
+
+def cache_put(kind: str, key: dict, value: dict) -> None:
+    path = _cache_file(kind, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "value": value}, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
+
+
+def _target_key(target: Target) -> dict:
+    return {"machine": machine_key(target.device), "target": target.fingerprint(),
+            "dtype": str(target.dtype).removeprefix("torch.")}
+
+
+def _drafter_arch(drafter) -> dict | None:
+    if drafter is None:
+        return None
+    c = drafter.config
+    return {"hidden": c.hidden_size, "inter": c.intermediate_size, "heads": c.num_attention_heads,
+            "kv": c.num_key_value_heads, "draft_vocab": c.draft_vocab_size}
+
+
+def cached_verify_cost(target: Target, drafter=None, refresh: bool = False, **measure) -> tuple[VerifyCost, bool]:
+    """(cost, whether it came from the cache). Keyed by machine, target fingerprint, dtype, drafter shape."""
+    key = {**_target_key(target), "drafter": _drafter_arch(drafter),
+           "measure": {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(measure.items())}}
+    hit = None if refresh else cache_get("verify-cost", key)
+    if hit is not None:
+        return VerifyCost.from_dict(hit), True
+    cost = measure_verify_cost(target, drafter, **measure)
+    cache_put("verify-cost", key, cost.to_dict())
+    return cost, False
+
+
+def _weights_key(drafter_dir: str | Path | None) -> dict | None:
+    if drafter_dir is None:
+        return None
+    files = sorted(Path(drafter_dir).glob("*.safetensors")) + [Path(drafter_dir) / "config.json"]
+    return {"dir": str(Path(drafter_dir).resolve()),
+            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]}
+
+
+def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, prompts: Sequence[Sequence[int]],
+                      refresh: bool = False, **calibrate) -> tuple[Acceptance, bool]:
+    """Calibrated acceptance, cached for a saved drafter (by its files) on this target and dtype."""
+    weights = _weights_key(drafter_dir)
+    key = {"target": target.fingerprint(), "dtype": str(target.dtype).removeprefix("torch."), "drafter": weights,
+           "prompts": hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()[:16],
+           "calibrate": dict(sorted(calibrate.items()))}
+    hit = None if refresh or weights is None else cache_get("acceptance", key)
+    if hit is not None:
+        return Acceptance(tuple(tuple(r) for r in hit["ranks"]), hit["source"] + ", cached"), True
+    acc = calibrate_acceptance(target, drafter, prompts, **calibrate)
+    if weights is not None:
+        cache_put("acceptance", key, acc.to_dict())
+    return acc, False
+
+
+# --- the whole decision ------------------------------------------------------------------------------------
+def choose_dtype(load: Callable[[torch.dtype], Target], device: str = "cpu",
+                 log: Callable[[str], None] | None = None) -> tuple[Target, str]:
+    """Load the target in whichever of float32 / bfloat16 runs a 1-token step faster here (CPU).
+
+    The step times are cached per machine and target, so later runs load the winner directly.
+    """
+    log = log or _stderr
+    if torch.device(device).type != "cpu":
+        return load(torch.bfloat16), "dtype bfloat16 (accelerator default)"
+    target = load(torch.float32)
+    key = _target_key(target)
+    key.pop("dtype")
+    hit = cache_get("dtype-step", key)
+    if hit is None:
+        f32 = step_time(target)
+        target.model.to(torch.bfloat16)
+        bf16 = step_time(target)
+        hit = {"float32": f32, "bfloat16": bf16}
+        cache_put("dtype-step", key, hit)
+    pick = "bfloat16" if hit["bfloat16"] < hit["float32"] else "float32"
+    if pick == "float32" and target.dtype != torch.float32:
+        target = load(torch.float32)  # casting back would keep bf16's rounding
+    elif pick == "bfloat16":
+        target.model.to(torch.bfloat16)
+    note = (f"dtype {pick}: a step takes {1e3 * hit['float32']:.1f} ms in float32, "
+            f"{1e3 * hit['bfloat16']:.1f} ms in bfloat16")
+    log(note)
+    return target, note
+
+
+def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
+               candidates: Sequence[Shape] = DEFAULT_CANDIDATES, prompts: Sequence[Sequence[int]] | None = None,
+               reps: int = 5, calibrate: dict | None = None) -> tuple[Choice, VerifyCost, Acceptance]:
+    """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json."""
+    max_depth = max((c.k if isinstance(c, ChainSpec) else c.depth) for c in candidates)
+    max_k = max((c.top_k for c in candidates if isinstance(c, TreeSpec)), default=1)
+    widths = sorted({1, *(c.top_k for c in candidates if isinstance(c, TreeSpec))})
+    top = max(verified_tokens(c) for c in candidates)
+    ks = [k for k in DEFAULT_KS if k < top] + [top]  # the rest is interpolated
+    cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
+    acc = None
+    if prompts is None and target.tokenizer is not None:
+        prompts = calibration_prompts(target.tokenizer)
+    if prompts:
+        acc, _ = cached_acceptance(target, drafter, drafter_dir, prompts, depth=max_depth, top_k=max_k,
+                                   **(calibrate or {}))
+    if (acc is None or not any(acc.ranks)) and drafter_dir is not None:
+        acc = acceptance_from_eval(drafter_dir)
+    acc = acc or Acceptance((), "none")
+    return choose_shape(acc, cost, candidates, max_top_k=drafter.config.draft_vocab_size), cost, acc
+
+
+def load_target_for(path: str, device: str = "cpu", dtype: str | None = None, aux_layers=None,
+                    auto: bool | str | None = False) -> tuple[Target, str]:
+    """(target, a note on its dtype): in ``dtype``; with ``auto`` and no dtype, in the one that steps faster."""
+    from draftsmith.model.target import load_target
+
+    def load(dt):
+        return load_target(path, device=device, dtype=dt, aux_layers=aux_layers)
+
+    if auto and not dtype:
+        return choose_dtype(load, device, log=lambda line: None)
+    return load(getattr(torch, dtype) if dtype else None), ""
+
+
+def print_choice(target: Target, drafter, drafter_dir: str | Path | None, dtype_note: str = "") -> Choice:
+    """``auto_shape``, with its one-line answer on stderr (what was chosen and why)."""
+    choice = auto_shape(target, drafter, drafter_dir)[0]
+    _stderr(describe(choice, dtype_note))
+    return choice
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,176 @@
+"""Hardware-aware drafting: the shape chooser's cost model, its measurements, its cache, and `--shape auto`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import fit_drafter, random_prompts, tiny_target
+
+from draftsmith.cli import main
+from draftsmith.stages import shapes
+from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
+from draftsmith.stages.shapes import (
+    DEFAULT_CANDIDATES,
+    Acceptance,
+    VerifyCost,
+    choose_shape,
+    expected_speedup,
+    expected_tau,
+)
+from draftsmith.testing.models import save_tiny_target
+
+ACC = Acceptance(((0.75, 0.12, 0.05, 0.03, 0.01, 0.01, 0.01, 0.01), (0.65, 0.15, 0.06, 0.03, 0.02),
+                  (0.6, 0.15, 0.05), (0.55, 0.1, 0.05), (0.5, 0.1), (0.45, 0.1), (0.4,), (0.35,)))
+
+
+def curve(step: float, slope: float, draft: float = 0.05) -> VerifyCost:
+    """A verify pass over n tokens costs step * (1 + slope * (n - 1)); a drafter step ``draft`` of a target step."""
+    ks = (1, 2, 4, 8, 16, 32, 64)
+    return VerifyCost(step, {n: step * (1 + slope * (n - 1)) for n in ks},
+                      {n: step * (1 + 1.05 * slope * (n - 1)) for n in ks},
+                      {w: step * draft * (1 + 0.02 * w) for w in (1, 4, 6, 8, 10)})
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.01, 0.05, 0.2, 0.6])
+def test_choice_is_the_argmax_of_its_own_cost_model(slope):
+    cost = curve(0.04, slope)
+    choice = choose_shape(ACC, cost, DEFAULT_CANDIDATES)
+    brute = max(DEFAULT_CANDIDATES, key=lambda s: expected_speedup(ACC, s, cost))
+    assert choice.shape == brute
+    assert choice.speedup == pytest.approx(expected_speedup(ACC, brute, cost)) and choice.speedup > 1
+    assert choice.reason.startswith(f"expected {choice.speedup:.2f}x") and "plain 1.00x" in choice.reason
+
+
+def test_the_curve_decides_the_shape():
+    """A flat verify curve (bf16 on AMX, a GPU) pays for a wide tree; a steep one only for a short chain."""
+    flat = choose_shape(ACC, curve(0.04, 0.002)).shape
+    steep = choose_shape(ACC, curve(0.04, 0.3)).shape
+    assert isinstance(flat, TreeSpec) and flat.total_tokens >= 16
+    assert isinstance(steep, ChainSpec) and steep.k <= 2
+
+
+def test_falls_back_to_plain_decoding_when_nothing_pays():
+    expensive = curve(0.04, 2.0, draft=0.5)  # a 2-token pass costs 3 steps: no acceptance pays for it
+    choice = choose_shape(ACC, expensive)
+    assert choice.shape is None and choice.speedup == 1.0 and "no shape pays" in choice.reason
+    assert all(v <= 1.0 for v in choice.table.values())
+    # A drafter that is never right loses even on a free verify pass: drafting still costs.
+    assert choose_shape(Acceptance(((0.0,) * 10,) * 8), curve(0.04, 0.0)).shape is None
+    assert expected_speedup(ACC, None, expensive) == 1.0
+
+
+def test_tree_tau_replays_eagle2_selection():
+    acc = Acceptance(((0.6, 0.2), (0.5, 0.1)))
+    # Depth 1: 0.6, 0.2; depth 2: 0.3, 0.06, 0.1, 0.02; the 3 best nodes are 0.6, 0.3, 0.2.
+    assert expected_tau(acc, TreeSpec(2, 2, 4)) == pytest.approx(2.1)
+    assert expected_tau(acc, TreeSpec(2, 2, 7)) == pytest.approx(1 + 0.6 + 0.2 + 0.3 + 0.06 + 0.1 + 0.02)
+    # Only the top_k best nodes of a level are expanded: here 0.3 and 0.25, not the first two made (0.3, 0.06).
+    deep = Acceptance(((0.6, 0.5), (0.5, 0.1), (1.0, 0.0)))
+    assert expected_tau(deep, TreeSpec(3, 2, 64)) == pytest.approx(1 + 1.1 + 0.66 + 0.55)
+    for k in range(1, 9):  # a chain is a tree of top_k 1
+        assert expected_tau(ACC, ChainSpec(k)) == pytest.approx(expected_tau(ACC, TreeSpec(k, 1, k + 1)))
+    assert expected_tau(ACC, ChainSpec(2)) == pytest.approx(1 + 0.75 + 0.75 * 0.65)
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    cost = VerifyCost(1.0, {1: 1.0, 4: 1.3, 8: 2.1})
+    assert cost.t_verify(2) == pytest.approx(1.1) and cost.t_verify(6) == pytest.approx(1.7)
+    assert cost.t_verify(16) == pytest.approx(3.7)  # the last segment extended
+    assert cost.t_verify(4, tree=True) == pytest.approx(1.3)  # no tree points: the chain curve
+    assert VerifyCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+def test_measured_cost_curve_on_a_tiny_target():
+    target = tiny_target("llama", torch.float32, num_hidden_layers=3)
+    from draftsmith.model.drafter import new_drafter
+
+    cost = shapes.measure_verify_cost(target, new_drafter(target), ks=(1, 4, 16), reps=2, prefix=16,
+                                      draft_widths=(1, 4))
+    assert set(cost.verify) == {1, 4, 16} and set(cost.tree_verify) == {1, 4, 16} and set(cost.draft) == {1, 4}
+    assert cost.t_step == cost.verify[1] > 0
+    assert list(cost.verify.values()) == sorted(cost.verify.values())  # monotone: dips are noise
+
+
+def test_cache_round_trips_and_is_keyed(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    key = {"machine": shapes.machine_key(), "target": {"a": 1}, "dtype": "float32"}
+    shapes.cache_put("verify-cost", key, {"x": 1.5})
+    assert shapes.cache_get("verify-cost", key) == {"x": 1.5}
+    assert shapes.cache_get("verify-cost", {**key, "dtype": "bfloat16"}) is None
+    assert shapes.cache_get("verify-cost", {**key, "machine": {**key["machine"], "threads": 99}}) is None
+    # A file whose stored key is another's (a hash collision, a hand edit) is a miss too.
+    other = {**key, "target": {"a": 2}}
+    shapes._cache_file("verify-cost", other).write_text(json.dumps({"key": key, "value": {"x": 9}}))
+    assert shapes.cache_get("verify-cost", other) is None
+
+    target = tiny_target("llama", torch.float32, num_hidden_layers=3)
+    measure = dict(ks=(1, 2), reps=1, prefix=8, draft_widths=(1,))
+    first, hit1 = shapes.cached_verify_cost(target, **measure)
+    again, hit2 = shapes.cached_verify_cost(target, **measure)
+    assert (hit1, hit2) == (False, True) and again == first
+    assert shapes.cached_verify_cost(target, **{**measure, "reps": 2})[1] is False  # other settings: measured
+
+
+def test_calibration_matches_real_chain_acceptance():
+    """Depth-1 top-1 acceptance from the unrolled drafter equals what chain-1 decoding accepts on the same text."""
+    target = tiny_target("llama", num_hidden_layers=3)
+    prompts = random_prompts(6, seed=5, max_len=10)
+    plain = SpeculativeDecoder(target)
+    drafter = fit_drafter(target, [p + plain.generate(p, 24).token_ids for p in prompts], steps=80)
+    acc = shapes.calibrate_acceptance(target, drafter, prompts, depth=3, top_k=4, max_new_tokens=24)
+    assert len(acc.ranks) == 3 and all(len(r) == 4 for r in acc.ranks)
+    assert all(sum(r) <= 1 + 1e-6 for r in acc.ranks)
+    steps = [a for p in prompts for a in SpeculativeDecoder(target, drafter, ChainSpec(1)).generate(
+        p, 24).accepted_per_step]
+    real = sum(steps) / len(steps)
+    assert real > 0.3  # the fitted drafter is right often enough for the comparison to mean something
+    assert acc.rank(0, 0) == pytest.approx(real, abs=0.1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-llama"), num_hidden_layers=3)
+
+
+def _decode(capsys, model_dir, *extra) -> tuple[dict, str]:
+    code = main(["decode", "--target", str(model_dir), "--prompt", "hello there", "--chat", "--max-new-tokens", "10",
+                 "--json", *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out), err
+
+
+@pytest.mark.parametrize("accept", [0.9, 0.0])
+def test_cli_shape_auto_prints_its_choice_and_stays_lossless(model_dir, capsys, tmp_path, monkeypatch, accept):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    # A drafter as good (or as useless) as ``accept`` says, on this machine's measured curve.
+    monkeypatch.setattr(shapes, "calibrate_acceptance",
+                        lambda *a, depth, top_k, **k: Acceptance(((accept,) + (0.0,) * (top_k - 1),) * depth))
+    plain, _ = _decode(capsys, model_dir, "--dtype", "float32")
+    report, err = _decode(capsys, model_dir, "--dtype", "float32", "--random-drafter", "--shape", "auto")
+    line = next(x for x in err.splitlines() if x.startswith("shape: "))
+    chosen = report["auto_shape"]["shape"]
+    assert line.startswith(f"shape: {chosen} (")
+    assert report["token_ids"] == plain["token_ids"]
+    if accept == 0.0:
+        assert chosen == "plain" and report["mode"] == "plain" and "no shape pays" in line
+    else:  # a tiny model's verify pass is nearly flat in k: a 0.9 drafter pays
+        assert chosen != "plain" and report["mode"] == chosen.split()[0] and "expected" in line
+
+
+def test_cli_shape_auto_chooses_the_dtype_and_measures_once(model_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    report, err = _decode(capsys, model_dir, "--random-drafter", "--shape", "auto")
+    assert "a step takes" in err and "ms in float32" in err and "ms in bfloat16" in err
+    files = sorted(p.name.split("-")[0] for p in (tmp_path / "shapes").iterdir())
+    assert files == ["dtype", "verify"]  # a random drafter has no files to key its acceptance by
+    stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "shapes").iterdir()}
+    _decode(capsys, model_dir, "--random-drafter", "--shape", "auto")
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "shapes").iterdir()} == stamp  # read, not re-measured
+
+
+def test_cli_shape_auto_needs_a_drafter(model_dir, capsys):
+    code = main(["decode", "--target", str(model_dir), "--prompt", "x", "--shape", "auto"])
+    assert code == 2 and "--shape need --drafter" in capsys.readouterr().err
