@@ -1,4 +1,5 @@
-"""Lossless speculative decoding with an EAGLE-3 drafter: chain and EAGLE-2 dynamic tree.
+"""Lossless speculative decoding with an EAGLE-3 drafter: chain, EAGLE-2 dynamic tree, and that tree with
+prompt-lookup branches grafted on (hybrid).
 
 Each round the drafter proposes tokens, the target verifies all of them in one forward pass, and the
 longest acceptable prefix plus one target token (the bonus) is kept. At temperature 0 acceptance is
@@ -122,6 +123,32 @@ class NgramSpec:
         return self.k
 
 
+@dataclass(frozen=True)
+class HybridSpec:
+    """The EAGLE-2 tree plus the prompt-lookup continuation grafted under its root, verified in one pass.
+
+    Lookup wins on text that repeats its context (summaries, RAG, code edits), the drafter elsewhere;
+    each round keeps whichever path the target accepts furthest.
+    """
+
+    tree: TreeSpec
+    lookup: NgramSpec = field(default_factory=NgramSpec)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.tree.max_draft_tokens + self.lookup.k
+
+    @property
+    def max_accepted(self) -> int:
+        return max(self.tree.max_accepted, self.lookup.k)
+
+    @classmethod
+    def parse(cls, tree: str | None, k: int) -> HybridSpec:
+        if not tree:
+            raise UsageError("--hybrid grafts prompt lookup onto a draft tree: give --tree DEPTH,TOPK,TOTAL too")
+        return cls(TreeSpec.parse(tree), NgramSpec(k))
+
+
 def _check_length(what: str, k: int) -> None:
     if k < 1:
         raise UsageError(f"{what} must be >= 1, got {k}")
@@ -150,6 +177,7 @@ class DecodeResult:
     target_forward_passes: int = 0
     accepted_per_step: list[int] = field(default_factory=list)  # drafted tokens accepted per verify pass
     drafted_per_step: list[int] = field(default_factory=list)
+    lookup_accepted_per_step: list[int] = field(default_factory=list)  # hybrid: of those, proposed by lookup only
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -177,6 +205,7 @@ class DecodeResult:
             "acceptance_length": self.acceptance_length,
             "target_forward_passes": self.target_forward_passes,
             "accepted_per_step": self.accepted_per_step,
+            "lookup_accepted_per_step": self.lookup_accepted_per_step,
             "tokens_per_second": self.tokens_per_second,
             "prefill_time": self.prefill_time,
             "draft_time": self.draft_time,
@@ -219,7 +248,7 @@ class SpeculativeDecoder:
     """Batch-1 decoding of one request, plain (no drafter) or speculative (chain or tree)."""
 
     def __init__(self, target: Target, drafter: Eagle3Drafter | None = None,
-                 spec: ChainSpec | TreeSpec | NgramSpec | None = None):
+                 spec: ChainSpec | TreeSpec | NgramSpec | HybridSpec | None = None):
         if drafter is not None and spec is None:
             spec = ChainSpec(3)
         if drafter is None and spec is not None and not isinstance(spec, NgramSpec):
@@ -230,8 +259,10 @@ class SpeculativeDecoder:
 
             check_fits(drafter.config, target)
             vocab = drafter.config.draft_vocab_size
-            if isinstance(spec, TreeSpec) and spec.top_k > vocab:
-                raise UsageError(f"tree top_k {spec.top_k} exceeds the drafter's draft vocabulary of {vocab} tokens")
+            tree_spec = spec.tree if isinstance(spec, HybridSpec) else spec
+            if isinstance(tree_spec, TreeSpec) and tree_spec.top_k > vocab:
+                raise UsageError(f"tree top_k {tree_spec.top_k} exceeds the drafter's draft vocabulary of {vocab} "
+                                 "tokens")
         self._stop_ids: set[int] = set()
 
     @torch.no_grad()
@@ -311,10 +342,15 @@ class SpeculativeDecoder:
                 pos = torch.arange(length - next_ids.shape[1], length, device=device)[None]
                 h = drafter(drafter.fuse(feats), next_ids, pos, dcache)[:, -1:]
                 if isinstance(self.spec, TreeSpec):
-                    tree = self._draft_tree(h, length, dcache)
+                    tree = self._draft_tree(h, length, dcache, self.spec)
+                elif isinstance(self.spec, HybridSpec):
+                    tree = self._draft_tree(h, length, dcache, self.spec.tree)
+                    tree = _graft(tree, ngram_propose(prompt + result.token_ids, self.spec.lookup))
                 else:
                     tree = self._draft_chain(h, length, dcache, sampling, generator)
-                dcache.crop(length)  # drafted keys never survive a round: recomputed from target features
+                # Drafted keys never survive a round: the accepted tokens (drafted, looked up or the bonus) are
+                # re-fed next round with the target's features, so lookup nodes need no drafter pass.
+                dcache.crop(length)
             _sync(device)
             result.draft_time += time.perf_counter() - t
 
@@ -333,6 +369,8 @@ class SpeculativeDecoder:
             accepted = [tree.tokens[i - 1] for i in path]
             result.accepted_per_step.append(len(accepted))
             result.drafted_per_step.append(len(tree.tokens))
+            if isinstance(self.spec, HybridSpec):
+                result.lookup_accepted_per_step.append(sum(1 for i in path if i in tree.lookup_only))
             if self._emit(result, [*accepted, bonus], max_new_tokens):
                 return
             rows = torch.tensor([0, *path], device=device)
@@ -361,9 +399,9 @@ class SpeculativeDecoder:
         return _Tree(tokens=tokens, parents=list(range(k)), depths=list(range(1, k + 1)), q_probs=q_probs,
                      is_tree=False)
 
-    def _draft_tree(self, h, length, dcache) -> _Tree:
+    def _draft_tree(self, h, length, dcache, spec: TreeSpec) -> _Tree:
         """EAGLE-2: expand the top_k best frontier nodes by their top_k children, keep the best overall."""
-        drafter, spec, device = self.drafter, self.spec, h.device
+        drafter, device = self.drafter, h.device
         logp = drafter.logits(h)[0, -1].float().log_softmax(-1)
         score, draft = logp.topk(spec.top_k)
         tokens = drafter.to_target_ids(draft)  # nodes are numbered from 1; 0 is the root
@@ -470,6 +508,34 @@ class _Tree:
     is_tree: bool
     scores: list[float] = field(default_factory=list)
     q_probs: list[torch.Tensor] = field(default_factory=list)  # sampled chain drafts: q over target vocab
+    lookup_only: frozenset[int] = frozenset()  # hybrid: grafted nodes the drafter did not propose
+
+
+def _graft(tree: _Tree, chain: list[int]) -> _Tree:
+    """Hang a prompt-lookup chain under the root, walking existing nodes while its tokens match theirs.
+
+    Merging keeps siblings distinct, so a token shared with the drafter is one node whose subtree holds both
+    continuations; a duplicate would shadow the second copy (greedy follows the first match, sampling zeroes
+    a rejected token) and waste its verify slots. New nodes come after their parents, as ``_ancestors`` needs,
+    and are one-hot candidates like the drafter's children; they sort last (score -inf) among siblings.
+    """
+    child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens, strict=True), start=1)}
+    tokens, parents, depths = list(tree.tokens), list(tree.parents), list(tree.depths)
+    scores, new = list(tree.scores), set()
+    node = 0
+    for depth, tok in enumerate(chain, start=1):
+        nxt = child.get((node, tok))
+        if nxt is None:
+            tokens.append(tok)
+            parents.append(node)
+            depths.append(depth)
+            scores.append(float("-inf"))
+            nxt = len(tokens)
+            child[(node, tok)] = nxt
+            new.add(nxt)
+        node = nxt
+    return _Tree(tokens=tokens, parents=parents, depths=depths, is_tree=True, scores=scores,
+                 lookup_only=frozenset(new))
 
 
 def _ancestors(parents: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor, root: bool = False):
