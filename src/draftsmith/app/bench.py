@@ -19,8 +19,16 @@ import torch
 
 from draftsmith.core.errors import UsageError
 from draftsmith.data.chat import stop_token_ids
-from draftsmith.data.prompts import BenchPrompt, load_prompts
-from draftsmith.stages.decode import ChainSpec, DecodeResult, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
+from draftsmith.data.prompts import BenchPrompt, load_prompts, training_overlap
+from draftsmith.stages.decode import (
+    ChainSpec,
+    DecodeResult,
+    HybridSpec,
+    NgramSpec,
+    SamplingParams,
+    SpeculativeDecoder,
+    TreeSpec,
+)
 
 
 @dataclass
@@ -31,6 +39,7 @@ class MethodStats:
     seconds: float = 0.0
     verify_passes: int = 0
     accepted: int = 0
+    lookup_accepted: int = 0  # hybrid: accepted tokens only prompt lookup proposed
     draft_time: float = 0.0
     verify_time: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -48,6 +57,7 @@ class MethodStats:
         self.decode_steps += max(0, r.target_forward_passes - 1)
         self.verify_passes += len(r.accepted_per_step)
         self.accepted += sum(r.accepted_per_step)
+        self.lookup_accepted += sum(r.lookup_accepted_per_step)
         self.draft_time += r.draft_time
         self.verify_time += r.verify_time
         per = r.accepted_per_position(max_accepted)
@@ -78,6 +88,8 @@ class MethodStats:
              "step_time": self.verify_time / max(1, self.decode_steps),
              "acceptance_per_position": [a / passes for a in self.accepted_per_position],
              "requests": self.requests}
+        if self.lookup_accepted:
+            d["lookup_accepted"] = self.lookup_accepted  # the drafter's share: accepted - lookup_accepted
         if self.compared:
             d["identical_to_plain"] = f"{self.identical}/{self.compared}"
             d["diverged_at_tie"] = self.ties
@@ -112,6 +124,8 @@ def spec_name(spec) -> str:
         return f"eagle3 chain k={spec.k}"
     if isinstance(spec, TreeSpec):
         return f"eagle3 tree {spec.depth},{spec.top_k},{spec.total_tokens}"
+    if isinstance(spec, HybridSpec):
+        return f"hybrid {spec.tree.depth},{spec.tree.top_k},{spec.tree.total_tokens}+lookup {spec.lookup.k}"
     return f"prompt lookup k={spec.k}"
 
 
@@ -141,14 +155,27 @@ def check_bench_args(datasets: Sequence[str], temperatures: Sequence[float], lim
     return prompt_sets
 
 
+def warn_leaks(prompt_sets: dict[str, list[BenchPrompt]], conversations: Sequence[str | Path]) -> list[str]:
+    """Warn about measured prompts the drafter was trained on: its acceptance there says nothing."""
+    leaked = sorted({pid for path in conversations for prompts in prompt_sets.values()
+                     for pid in training_overlap(prompts, path)})
+    if leaked:
+        shown = ", ".join(leaked[:5]) + (f" and {len(leaked) - 5} more" if len(leaked) > 5 else "")
+        print(f"draftsmith: warning: {len(leaked)} measured prompt(s) appear in the training conversations "
+              f"({shown}): their acceptance is not a held-out measurement", file=sys.stderr)
+    return leaked
+
+
 def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, temperatures: Sequence[float] = (0.0,),
               limit: int | None = None, turns: int | None = None, max_new_tokens: int = 128,
-              prompt_lookup_k: int | None = 3, seed: int = 0, progress: bool = True) -> dict:
+              prompt_lookup_k: int | None = 3, seed: int = 0, progress: bool = True,
+              train_conversations: Sequence[str | Path] = ()) -> dict:
     """The whole measurement; returns a JSON-able report (see ``format_table``).
 
     Raises UsageError before decoding anything for bad arguments or a prompt set with no usable prompt.
     """
     prompt_sets = check_bench_args(datasets, temperatures, limit, turns, max_new_tokens, prompt_lookup_k)
+    leaked = warn_leaks(prompt_sets, train_conversations)
     tok = target.tokenizer
     stops = stop_token_ids(tok)
     methods = [("plain", None)] + [(spec_name(s), s) for s in specs]
@@ -161,7 +188,7 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
     for d in decoders.values():
         d.generate(tok(warm, add_special_tokens=False)["input_ids"], 4, eos_token_ids=stops)
     report = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "machine": machine_info(),
-              "max_new_tokens": max_new_tokens, "results": []}
+              "max_new_tokens": max_new_tokens, "results": [], **({"leaked_prompts": leaked} if leaked else {})}
     for dataset in datasets:
         prompts = prompt_sets[dataset]
         for temperature in temperatures:

