@@ -11,12 +11,18 @@ vLLM loads this module in every process, so it imports vLLM only inside function
 draftsmith beyond ``draftsmith.core``. What each vLLM version does with a pair lives in
 ``draftsmith.core.vllm_facts``, the source reading in ``draftsmith.core.pysource``, and ``draftsmith serve`` in
 ``draftsmith.app.serve``.
+
+Capture mode (``install_capture``/``drain_capture``, run through ``LLM.apply_model`` by
+``vllm_capture_worker.py``): forward hooks copy the aux states and the post-norm final state of whole prefills to
+per-request spool files for ``draftsmith capture --backend vllm``. It needs no SupportsEagle3, so it serves any
+decoder with ``embed_tokens``, ``layers`` and ``norm``; the registered classes are untouched by it.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import importlib
 import inspect
 import logging
@@ -197,5 +203,135 @@ def _func_ast(fn) -> ast.FunctionDef:
     return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
 
 
-__all__ = ["EXTRA_ARCHS_ENV", "PLUGIN_ENV", "eagle3_class", "plugin_candidates", "register",
-           "supports_eagle3_by_import"]
+# --- capture mode: copy the aux and final states of whole prefills out of the forward ---------------------
+def spool_key(ids) -> str:
+    """The spool file name of one prefill: a hash of its token ids, so any process holding the model can name it."""
+    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()[:40]
+
+
+class _Capturer:
+    """Forward hooks on one vLLM model that write each whole prefill's states to ``<spool>/<key>.safetensors``.
+
+    Per forward: the embedding's input gives the token ids, layer 0's input the positions, each aux layer's
+    input the residual stream entering it (``hidden_states + residual``, as vLLM's own EAGLE-3 aux capture), and
+    the final norm's output the post-norm final state (what HF capture stores). Requests lie contiguously in the
+    flattened batch, and a prefill starts at position 0; a segment that does not run 0..T-1 (a cached prefix, a
+    chunk, a decode step) is not written, and the driver reports it missing. Only tensor-parallel rank 0 writes;
+    every rank gathers, so a sequence-parallel state is gathered by all of them.
+    """
+
+    def __init__(self, model, aux_layers, spool: str) -> None:
+        import threading
+        from queue import Queue
+
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+        if get_pp_group().world_size > 1:
+            raise RuntimeError("draftsmith capture: pipeline parallelism is not supported (use tensor parallelism)")
+        self.decoder = _find_decoder(model)
+        n = len(self.decoder.layers)
+        if not all(0 <= int(a) < n for a in aux_layers):
+            raise RuntimeError(f"draftsmith capture: aux layers {list(aux_layers)} outside 0..{n - 1}")
+        self.aux_layers, self.spool, self.writes = [int(a) for a in aux_layers], spool, 0
+        self.rank0 = get_tensor_model_parallel_rank() == 0
+        self.ids = self.positions = None
+        self.aux: dict[int, object] = {}
+        self.queue: Queue = Queue(maxsize=4)
+        self.errors: list[str] = []
+        self.hooks = [self.decoder.embed_tokens.register_forward_pre_hook(self._on_embed),
+                      self.decoder.layers[0].register_forward_pre_hook(self._on_first_layer, with_kwargs=True)]
+        self.hooks += [self.decoder.layers[a].register_forward_pre_hook(self._aux_hook(a), with_kwargs=True)
+                       for a in self.aux_layers]
+        self.hooks.append(self.decoder.norm.register_forward_hook(self._on_norm))
+        threading.Thread(target=self._write_loop, daemon=True).start()
+
+    def _on_embed(self, module, args) -> None:
+        self.ids, self.aux = args[0].detach().to("cpu", copy=True).long(), {}
+
+    def _on_first_layer(self, module, args, kwargs) -> None:
+        pos = args[0] if args else kwargs["positions"]
+        self.positions = (pos[0] if pos.dim() == 2 else pos).detach().to("cpu", copy=True).long()  # M-RoPE: row 0
+
+    def _aux_hook(self, layer: int):
+        def hook(module, args, kwargs) -> None:
+            names = ("positions", "hidden_states", "residual")
+            got = list(args) + [kwargs.get(k) for k in names[len(args):]]
+            hidden, residual = got[1], got[2]
+            x = hidden if residual is None else hidden + residual
+            self.aux[layer] = self._gathered(x).detach().to("cpu", copy=True)
+        return hook
+
+    def _gathered(self, x):
+        if self.positions is not None and x.shape[0] != self.positions.shape[0]:
+            from vllm.distributed import tensor_model_parallel_all_gather
+
+            x = tensor_model_parallel_all_gather(x, 0)[: self.positions.shape[0]]
+        return x
+
+    def _on_norm(self, module, args, output) -> None:
+        final = output[0] if isinstance(output, tuple) else output
+        ids, pos, aux = self.ids, self.positions, self.aux
+        self.ids = self.positions = None
+        self.aux = {}
+        if not self.rank0 or ids is None or pos is None or len(aux) != len(self.aux_layers):
+            return
+        final = final.detach().to("cpu", copy=True)
+        if not (ids.shape[0] == pos.shape[0] == final.shape[0]):
+            return
+        self.queue.put((ids, pos, [aux[a] for a in self.aux_layers], final))
+
+    def _write_loop(self) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        while True:
+            ids, pos, aux, final = self.queue.get()
+            try:
+                stacked = torch.stack(aux, dim=1)  # [N, n, H]
+                starts = (pos == 0).nonzero().flatten().tolist() + [pos.shape[0]]
+                for a, b in zip(starts, starts[1:], strict=False):
+                    if not torch.equal(pos[a:b], torch.arange(b - a)):
+                        continue
+                    seg = ids[a:b]
+                    path = os.path.join(self.spool, spool_key(seg.tolist()) + ".safetensors")
+                    tmp = f"{path}.{os.getpid()}.tmp"
+                    save_file({"input_ids": seg.to(torch.int32).contiguous(), "aux": stacked[a:b].contiguous(),
+                               "hidden": final[a:b].contiguous()}, tmp,
+                              metadata={"aux_layers": ",".join(map(str, self.aux_layers))})
+                    with open(tmp, "rb") as f:
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)  # atomic: the driver never sees a half-written file
+                    self.writes += 1
+            except Exception as e:  # reported by drain(), never swallowed
+                self.errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                self.queue.task_done()
+
+    def drain(self) -> dict:
+        """Wait until every queued prefill is on disk; the counts and errors so far."""
+        self.queue.join()
+        return {"rank0": self.rank0, "writes": self.writes, "errors": list(self.errors)}
+
+
+def _find_decoder(model):
+    """The module holding ``embed_tokens``, ``layers`` and the final ``norm`` (a wrapper's language model too)."""
+    for _, module in model.named_modules():
+        if all(hasattr(module, a) for a in ("embed_tokens", "layers", "norm")):
+            return module
+    raise RuntimeError(f"draftsmith capture: no decoder with embed_tokens, layers and norm in {type(model).__name__}")
+
+
+def install_capture(model, aux_layers, spool: str) -> int:
+    """``LLM.apply_model`` target: hook ``model`` for capture (once); returns its number of decoder layers."""
+    if getattr(model, "_draftsmith_capture", None) is None:
+        model._draftsmith_capture = _Capturer(model, aux_layers, spool)
+    return len(model._draftsmith_capture.decoder.layers)
+
+
+def drain_capture(model) -> dict:
+    """``LLM.apply_model`` target: wait for the spool writes of everything run so far."""
+    return model._draftsmith_capture.drain()
+
+
+__all__ = ["EXTRA_ARCHS_ENV", "PLUGIN_ENV", "drain_capture", "eagle3_class", "install_capture", "plugin_candidates",
+           "register", "spool_key", "supports_eagle3_by_import"]

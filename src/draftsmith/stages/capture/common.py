@@ -1,54 +1,25 @@
-"""Capture: conversations in, EAGLE-3 training features out.
+"""What every capture backend shares: the config, the counts and report, the store meta, and the reading side.
 
-Offline training needs, per token of every conversation, the target's aux hidden states (the residual
-stream entering each aux layer) and its final post-norm hidden state (the teacher, from which the
-trainer recomputes the target's logits with the frozen lm_head). This module runs the target's
-prefill over a conversations JSONL and writes those features into a ``FeatureStore``.
-
-Why it looks the way it does:
-
-* **Batched prefill, right padding.** Conversations are tokenized in windows of ``sort_window``,
-  sorted by length (longest first, so an out-of-memory batch shows up at once) and packed into batches
-  bounded by ``batch_size`` and ``max_tokens_per_batch`` *padded* tokens. Padding goes on the right
-  with a 2D attention mask: with causal attention a real position never attends to a later pad, so
-  positions and features of real tokens equal an unbatched pass; the padded rows are sliced off.
-  Logits are not needed (the teacher is the stored final hidden state), so only one position's logits
-  are computed.
-* **Resume and exactly-once.** The store commits whole shards atomically; a rerun skips ids that are
-  committed before tokenizing them. ``kill -9`` at any point then a rerun yields every sample once.
-  Shards are also flushed every ``flush_interval_s`` so a slow capture never holds much uncommitted work.
-* **Nothing silently dropped.** Every input record ends in exactly one bucket of ``CaptureCounts``
-  (captured, already stored, duplicate id, invalid, template error, no loss tokens, too long, NaN/Inf);
-  the buckets add up to the records read, and truncations are counted too.
-* **Provenance.** The store's meta records aux layer ids (input of layer L; SGLang's ids are one lower),
-  hidden size, the target and tokenizer fingerprints, the draftsmith version and the length policy, so
-  ``check_store_matches_target`` can refuse to train on features from another target.
-
-The draft vocabulary (``d2t``/``t2d``) is built right after capture from the tokens at loss positions
-(``build_vocab``), and written into the store directory as ``vocab.safetensors``.
-
-Capture at scale with a serving engine (vLLM's ``extract_hidden_states``) is sketched, not implemented,
-in ``docs/capture-at-scale.md``.
+Reading, de-duplicating, resuming (``has()`` before tokenizing), tokenizing with loss masks, counting every
+record into one bucket and writing the errors sidecar happen here once (``_Run``, ``capture_with``); a
+backend only says how a window of tokenized conversations becomes features (``run_window``): the HF prefill
+in ``hf.py``, vLLM's engine and the spool ingest in ``vllm.py``.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from draftsmith import __version__
 from draftsmith.core.errors import UsageError, one_line
 from draftsmith.core.fingerprint import tokenizer_fingerprint
-from draftsmith.core.vocab import VOCAB_FILE, VocabError, count_tokens, from_counts, save_vocab
 from draftsmith.data.chat import (
     ChatTemplateError,
     EmptyConversation,
@@ -57,32 +28,7 @@ from draftsmith.data.chat import (
     read_jsonl,
     tokenize_conversation,
 )
-from draftsmith.data.store import (
-    LOCK_NAME,
-    MANIFEST_NAME,
-    MATCH_KEYS,
-    FeatureStore,
-    FeatureStoreWriter,
-    check_store_matches_target,
-)
-
-__all__ = [
-    "MATCH_KEYS",
-    "CaptureConfig",
-    "CaptureCounts",
-    "CaptureInputError",
-    "CaptureReport",
-    "SampleFeatures",
-    "VocabReport",
-    "batched_features",
-    "build_vocab",
-    "capture",
-    "check_store_matches_target",
-    "count_store_tokens",
-    "errors_path",
-    "run_capture",
-    "store_meta",
-]
+from draftsmith.data.store import LOCK_NAME, MANIFEST_NAME, FeatureStore, FeatureStoreWriter
 
 LongPolicy = Literal["truncate", "skip"]
 _SHOWN_REASONS = 3  # skipped lines named in the one-line error of an unusable input
@@ -101,8 +47,7 @@ def errors_path(out: str | Path) -> Path:
 AUX_CONVENTION = "input of decoder layer L = HF output_hidden_states[L] (vLLM ids; SGLang/SpecForge ids are L-1)"
 
 
-# --------------------------------------------------------------------------------------------------------
-# Configuration and results
+# --- configuration and results ------------------------------------------------------------------------
 
 
 @dataclass
@@ -274,65 +219,14 @@ class CaptureReport:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------------------
-# Batched prefill
+# --- the store's provenance and the reading side ----------------------------------------------------------
+def store_meta(target, tokenizer, *, max_length: int, long: LongPolicy, target_dtype: str | None = None
+               ) -> dict[str, Any]:
+    """The provenance a store carries; identical meta is what lets a rerun resume into the same store.
 
-
-@dataclass
-class SampleFeatures:
-    """One sample's features, sliced out of a batch: ``aux`` is ``[T, n, H]``, ``hidden`` ``[T, H]``."""
-
-    aux: torch.Tensor
-    hidden: torch.Tensor
-
-
-def batched_features(target, sequences: Sequence[Sequence[int]], pad_id: int = 0) -> list[SampleFeatures]:
-    """Run one right-padded prefill over ``sequences`` and return each one's unpadded features.
-
-    Right padding keeps position ids and causal attention of real tokens identical to an unbatched pass,
-    so padding cannot leak into them; the 2D mask keeps pads out of attention (and is omitted when no
-    row is padded, letting the backend take its causal fast path). Online training's ``OnlineSource`` runs
-    its own right-padded pass the same way (always with the mask).
+    ``target_dtype`` names the dtype the features were computed in when ``target`` is not what computed them
+    (vLLM capture: a weightless view of the target gives the fingerprint, the engine the numbers).
     """
-    if not sequences:
-        return []
-    lengths = [len(s) for s in sequences]
-    if min(lengths) < 1:
-        raise ValueError("cannot prefill an empty sequence")
-    t = max(lengths)
-    ids = torch.full((len(sequences), t), int(pad_id), dtype=torch.long)
-    mask = torch.zeros((len(sequences), t), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        mask[i, : len(s)] = 1
-    device = target.device
-    padded = min(lengths) < t
-    out = target.forward(ids.to(device), attention_mask=mask.to(device) if padded else None, logits_to_keep=1)
-    aux = torch.stack(out.aux_hidden_states, dim=2)  # [B, T, n, H]
-    return [SampleFeatures(aux=aux[i, :n], hidden=out.hidden_state[i, :n]) for i, n in enumerate(lengths)]
-
-
-def _plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None) -> list[list[int]]:
-    """Indices grouped longest first; a batch's padded size (rows x longest) stays within max_tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches:
-            cur = batches[-1]
-            longest = lengths[cur[0]]
-            if len(cur) < batch_size and (max_tokens is None or (len(cur) + 1) * longest <= max_tokens):
-                cur.append(i)
-                continue
-        batches.append([i])
-    return batches
-
-
-# --------------------------------------------------------------------------------------------------------
-# Capture
-
-
-def store_meta(target, tokenizer, *, max_length: int, long: LongPolicy) -> dict[str, Any]:
-    """The provenance a store carries; identical meta is what lets a rerun resume into the same store."""
     return {
         "kind": "eagle3-features",
         "aux_layer_ids": [int(x) for x in target.aux_layers],
@@ -340,7 +234,7 @@ def store_meta(target, tokenizer, *, max_length: int, long: LongPolicy) -> dict[
         "hidden_size": int(target.hidden_size),
         "hidden_state": "final decoder output after the final norm (teacher)",
         "target_fingerprint": target.fingerprint(),
-        "target_dtype": str(target.dtype).removeprefix("torch."),
+        "target_dtype": target_dtype or str(target.dtype).removeprefix("torch."),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "draftsmith_version": __version__,
         "max_length": int(max_length),
@@ -403,15 +297,17 @@ def _bare_reason(e: BaseException) -> str:
     return text
 
 
-class _Capture:
-    """One run's state: the writer, the window being tokenized, counters and the progress bar."""
+class _Run:
+    """One run's reading side: the writer, the window being tokenized, counters and the progress bar.
 
-    def __init__(self, target, tokenizer, config: CaptureConfig, writer: FeatureStoreWriter,
+    A backend subclasses it with ``run_window`` (features for ``self.window``, handed to the writer) and, when
+    it holds resources past the writer's last commit, ``after_close``.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, config: CaptureConfig, writer: FeatureStoreWriter,
                  report: CaptureReport, progress: _Progress) -> None:
-        self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.tokenizer, self.vocab_size, self.config = tokenizer, int(vocab_size), config
         self.writer, self.report, self.counts, self.progress = writer, report, report.counts, progress
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None and 0 <= pad < target.vocab_size else 0
         self.seen: set[str] = set()
         self.window: list[_Pending] = []
         self.last_flush = time.perf_counter()
@@ -450,49 +346,45 @@ class _Capture:
             return self._bump("template_error", line, sid, f"chat template error: {_bare_reason(e)}")
         except ValueError as e:
             return self._bump("invalid", line, sid, _bare_reason(e))
-        if max(tok.input_ids) >= self.target.vocab_size:
+        if max(tok.input_ids) >= self.vocab_size:
             return self._bump("invalid", line, sid, f"token id {max(tok.input_ids)} outside the target's "
-                              f"vocabulary of {self.target.vocab_size}")
+                              f"vocabulary of {self.vocab_size}")
         self.window.append(_Pending(sid, tok.input_ids, tok.loss_mask, tok.truncated, line))
         if len(self.window) >= cfg.sort_window:
             self.run_window()
 
     def run_window(self) -> None:
-        """Prefill the window in length-sorted batches and hand each sample to the store."""
-        cfg, counts, report, writer = self.config, self.counts, self.report, self.writer
-        for batch in _plan_batches([len(p.input_ids) for p in self.window], cfg.batch_size, cfg.max_tokens_per_batch):
-            items = [self.window[i] for i in batch]
-            t0 = time.perf_counter()
-            feats = batched_features(self.target, [p.input_ids for p in items], self.pad_id)
-            report.forward_s += time.perf_counter() - t0
-            report.padded_tokens += len(items) * max(len(p.input_ids) for p in items)
-            for p, f in zip(items, feats, strict=True):
-                rejected = writer.rejected_nonfinite
-                ids = torch.tensor(p.input_ids, dtype=torch.long)
-                mask = torch.tensor(p.loss_mask, dtype=torch.bool)
-                if writer.add(p.sample_id, ids, mask, f.aux, f.hidden):
-                    counts.captured += 1
-                    counts.truncated += int(p.truncated)
-                    report.tokens += len(p.input_ids)
-                    report.loss_tokens += int(mask.sum())
-                elif writer.rejected_nonfinite > rejected:
-                    counts.nonfinite += 1
-                    self.skip("nonfinite", p.line, p.sample_id, "NaN/Inf in the target's features")
-                else:  # cannot happen: ids are de-duplicated before tokenizing
-                    counts.duplicate_id += 1
-            del feats
-            self.progress.update(len(items), counts.captured, report.tokens)
-            if writer.num_pending and time.perf_counter() - self.last_flush >= cfg.flush_interval_s:
-                writer.flush()  # bound the work a crash can lose on a slow capture
-                self.last_flush = time.perf_counter()
-        self.window.clear()
+        raise NotImplementedError
+
+    def after_close(self) -> None:
+        """Called once the writer has committed its last shard (release what only that commit makes safe)."""
+
+    def added(self, p: _Pending, accepted: bool, rejected_before: int, reason: str = "NaN/Inf in the target's features"
+              ) -> None:
+        """Count one ``writer.add`` outcome (``rejected_before``: the writer's non-finite count before it)."""
+        counts = self.counts
+        if accepted:
+            counts.captured += 1
+            counts.truncated += int(p.truncated)
+            self.report.tokens += len(p.input_ids)
+            self.report.loss_tokens += sum(p.loss_mask)
+        elif self.writer.rejected_nonfinite > rejected_before:
+            counts.nonfinite += 1
+            self.skip("nonfinite", p.line, p.sample_id, reason)
+        else:  # cannot happen: ids are de-duplicated before tokenizing
+            counts.duplicate_id += 1
 
 
-def capture(target, tokenizer, config: CaptureConfig) -> CaptureReport:
-    """Capture features for every conversation in ``config.conversations`` into the store ``config.out``.
+RunFactory = Callable[[FeatureStoreWriter, CaptureReport, _Progress], _Run]
 
-    Returns the report (its counts add up to the records read), after building the draft vocabulary
-    unless ``config.draft_vocab_size`` is None. Raises ``ValueError`` for unusable inputs (no chat
+
+def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory, *, target_dtype: str | None = None
+                 ) -> CaptureReport:
+    """Capture features for every conversation in ``config.conversations`` into the store ``config.out``,
+    with the backend ``make_run`` builds (``target`` gives the meta and vocabulary size; it need not hold weights).
+
+    Returns the report (its counts add up to the records read); the draft vocabulary is the caller's step
+    (``vocab.add_vocab``). Raises ``ValueError`` for unusable inputs (no chat
     template, a tokenizer larger than the target's vocabulary), ``StoreMismatch`` when resuming into a
     store captured under other meta, ``StoreWriteError``/``OSError`` when the disk fails; the store on
     disk stays valid in every case and a rerun resumes where the last committed shard ended.
@@ -506,7 +398,8 @@ def capture(target, tokenizer, config: CaptureConfig) -> CaptureReport:
             "is this the target's own tokenizer?"
         )
     chat_format(tokenizer)  # fail fast on a tokenizer without a usable chat template
-    meta = store_meta(target, tokenizer, max_length=config.max_length, long=config.long)
+    meta = store_meta(target, tokenizer, max_length=config.max_length, long=config.long,
+                      target_dtype=target_dtype)
     report = CaptureReport(store=config.out, counts=CaptureCounts())
     show = sys.stderr.isatty() if config.progress is None else config.progress
     total = _count_records(config.conversations, config.limit) if show else None
@@ -515,13 +408,14 @@ def capture(target, tokenizer, config: CaptureConfig) -> CaptureReport:
     try:
         with FeatureStoreWriter(config.out, meta=meta, dtype=config.dtype,
                                 shard_max_bytes=config.shard_max_bytes) as writer:
-            run = _Capture(target, tokenizer, config, writer, report, progress)
+            run = make_run(writer, report, progress)
             for line_no, item in read_jsonl(config.conversations):
                 if config.limit is not None and report.counts.records >= config.limit:
                     break
                 run.add_record(item, line_no)
             run.run_window()
             _report_skipped(config, report, run.skipped)
+        run.after_close()
     finally:
         progress.close()
     report.elapsed_s = time.perf_counter() - start
@@ -529,11 +423,6 @@ def capture(target, tokenizer, config: CaptureConfig) -> CaptureReport:
 
     store = FeatureStore(config.out, verify_on_open=False)
     report.store_samples, report.store_tokens, report.store_bytes = len(store), store.total_tokens, store.bytes_on_disk
-    if config.draft_vocab_size is not None:
-        if store.total_loss_tokens > 0:
-            report.vocab = build_vocab(store, config.draft_vocab_size, vocab_size=target.vocab_size)
-        else:
-            report.notes.append("draft vocab: skipped (the store holds no loss tokens)")
     return report
 
 
@@ -556,77 +445,4 @@ def _report_skipped(config: CaptureConfig, report: CaptureReport, skipped: list[
     raise CaptureInputError(f"{config.conversations}: no usable conversation in {c.records} line"
                             f"{'s' if c.records != 1 else ''}" + (f" ({shown}{more}{where})" if shown else ""))
 
-
-def run_capture(config: CaptureConfig) -> CaptureReport:
-    """``draftsmith capture``: validate the config, load the target, capture, build the draft vocab."""
-    from draftsmith.model.target import load_target
-
-    config.validate()  # before the (possibly long) target load
-    dtype = getattr(torch, config.target_dtype) if config.target_dtype else None
-    target = load_target(config.target, device=config.device, dtype=dtype, aux_layers=config.aux_layers)
-    return capture(target, target.tokenizer, config)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Draft vocabulary
-
-
-def _as_store(store: FeatureStore | str | Path) -> FeatureStore:
-    return store if isinstance(store, FeatureStore) else FeatureStore(store)
-
-
-def count_store_tokens(store: FeatureStore | str | Path, vocab_size: int) -> torch.Tensor:
-    """Counts of each target id at loss positions over the whole store, reading only ids and masks.
-
-    Going through ``FeatureStore.get`` would read (and for fp8 dequantise) every hidden state, which is
-    >99% of the bytes; the shards are safetensors, so only the two small tensors per sample are read.
-    """
-    from safetensors import safe_open
-
-    fs = _as_store(store)
-    fs.verify_all()  # every reader checks what it reads: a flipped byte would give silently wrong counts
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for shard in fs.shards:
-        with safe_open(str(fs.root / shard["file"]), framework="pt") as handle:
-            for j in range(len(shard["samples"])):
-                counts += count_tokens(handle.get_tensor(f"{j}.input_ids"), handle.get_tensor(f"{j}.loss_mask"),
-                                       vocab_size)
-    return counts
-
-
-def build_vocab(store: FeatureStore | str | Path, draft_vocab_size: int = 32000, *, out: str | Path | None = None,
-                vocab_size: int | None = None) -> VocabReport:
-    """Keep the ``draft_vocab_size`` most frequent loss-position tokens; write ``d2t``/``t2d``/``counts``.
-
-    ``vocab_size`` (the target's lm_head size, which may exceed the tokenizer's length) defaults to the
-    one in the store's target fingerprint. The file goes to ``<store>/vocab.safetensors`` by default and
-    is re-read and validated before returning.
-    """
-    from draftsmith.core.vocab import load_vocab_file
-
-    if draft_vocab_size < 1:
-        raise ValueError(f"--draft-vocab-size must be >= 1, got {draft_vocab_size}")
-    fs = _as_store(store)
-    if vocab_size is None:
-        vocab_size = (fs.meta.get("target_fingerprint") or {}).get("vocab_size")
-        if not vocab_size:
-            raise ValueError(f"{fs.root}: the store meta has no target vocab size; pass vocab_size")
-    vocab_size = int(vocab_size)
-    if fs.total_loss_tokens == 0:
-        raise ValueError(f"{fs.root}: the store holds no loss tokens to count")
-    counts = count_store_tokens(fs, vocab_size)
-    vocab, coverage = from_counts(counts, draft_vocab_size)
-    path = Path(out) if out is not None else fs.root / VOCAB_FILE
-    extra = {"counted": "input_ids at loss_mask == 1"}
-    for key in ("tokenizer_fingerprint", "target_fingerprint"):
-        if key in fs.meta:
-            extra[key] = json.dumps(fs.meta[key], sort_keys=True)
-    save_vocab(path, vocab, counts, extra)
-    loaded, _, meta = load_vocab_file(path, vocab_size)
-    if not torch.equal(loaded.d2t, vocab.d2t):
-        raise VocabError(f"{path}: read back a different d2t than was written")
-    if not math.isclose(float(meta["coverage"]), coverage, rel_tol=1e-9, abs_tol=1e-12):
-        raise VocabError(f"{path}: coverage {meta['coverage']} differs from the computed {coverage}")
-    return VocabReport(path=path, draft_vocab_size=vocab.draft_vocab_size, vocab_size=vocab_size, coverage=coverage,
-                       counted_tokens=int(counts.sum()), distinct_tokens=int((counts > 0).sum()))
 
