@@ -60,6 +60,18 @@ REQUIRED_WEIGHTS = ("fc.weight", "norm.weight", "lm_head.weight", *(LAYER_PREFIX
 OPTIONAL_WEIGHTS = ("embed_tokens.weight", "d2t", "t2d")
 
 
+def layer_param_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int
+                       ) -> dict[str, tuple[int, ...]]:
+    """The one decoder layer's tensors (canonical names) and their shapes; attention takes 2 * hidden inputs."""
+    shapes = dict(zip(LAYER_PARAMS, [
+        (hidden,), (hidden,), (hidden,),
+        (heads * head_dim, 2 * hidden), (kv_heads * head_dim, 2 * hidden), (kv_heads * head_dim, 2 * hidden),
+        (hidden, heads * head_dim),
+        (intermediate, hidden), (intermediate, hidden), (hidden, intermediate),
+    ], strict=True))
+    return {LAYER_PREFIX + name: shape for name, shape in shapes.items()}
+
+
 def canonical_weight_name(name: str) -> str:
     """draftsmith's name for a checkpoint tensor: no ``model.`` prefix, ``midlayer.`` -> ``layers.0.``."""
     name = name.removeprefix("model.")

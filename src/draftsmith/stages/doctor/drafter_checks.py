@@ -6,7 +6,7 @@ layout needs for the speculators library to load it).
 from __future__ import annotations
 
 from draftsmith.core import vllm_facts
-from draftsmith.core.conventions import OPTIONAL_WEIGHTS, REQUIRED_WEIGHTS
+from draftsmith.core.conventions import OPTIONAL_WEIGHTS, REQUIRED_WEIGHTS, layer_param_shapes
 from draftsmith.core.tensorfile import TensorInfo, read_small_tensor
 from draftsmith.stages.doctor.report import Findings
 from draftsmith.stages.doctor.state import DrafterFiles, EngineFacts, TargetFiles
@@ -163,14 +163,7 @@ def _check_shapes(out: Findings, d: DrafterFiles) -> None:
         out.add("drafter.config", "error", "the drafter config lacks Llama sizes (hidden_size, "
                 "num_attention_heads, intermediate_size)", "drafter config.json", "re-export the drafter")
         return
-    want = {"norm.weight": (h,), "layers.0.input_layernorm.weight": (h,), "layers.0.hidden_norm.weight": (h,),
-            "layers.0.post_attention_layernorm.weight": (h,),
-            "layers.0.self_attn.q_proj.weight": (heads * hd, 2 * h),
-            "layers.0.self_attn.k_proj.weight": (kv * hd, 2 * h),
-            "layers.0.self_attn.v_proj.weight": (kv * hd, 2 * h),
-            "layers.0.self_attn.o_proj.weight": (h, heads * hd),
-            "layers.0.mlp.gate_proj.weight": (inter, h), "layers.0.mlp.up_proj.weight": (inter, h),
-            "layers.0.mlp.down_proj.weight": (h, inter)}
+    want = {"norm.weight": (h,), **layer_param_shapes(h, heads, kv, hd, inter)}
     if isinstance(d.vocab, int):
         want["embed_tokens.weight"] = (d.vocab, h)
     bad = [f"{n} {list(d.names[n].shape)} (config: {list(s)})" for n, s in want.items()
