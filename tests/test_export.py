@@ -540,7 +540,10 @@ def test_vllm_serves_exported_drafter(fmt, tmp_path_factory):
     assert res["tokens"] == [p[6:30] for p in prompts]  # lossless: the target's own greedy continuation
     m = res["metrics"]
     acceptance = m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"]
-    assert acceptance > 0.85, m  # fitted: ~0.92; the same drafter read one layer off: ~0.73
+    # Fitted: 0.92 on an Intel Xeon with AMX, 0.82-0.83 on an AMD EPYC without. A wrong weight name or vocab
+    # mapping accepts next to nothing. (A one-layer-off read gave 0.73 on the Xeon but 0.85 on the EPYC, so this
+    # tiny target cannot tell aux layers apart everywhere; test_vllm_capture's off-by-one detector can.)
+    assert acceptance > 0.75, m
 
 
 _FITTED: dict[str, Path] = {}

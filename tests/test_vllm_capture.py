@@ -171,3 +171,26 @@ def test_vllm_store_equals_hf_store_tiny_deepseek(tmp_path):
     worst = _worst_rel(a, b)
     print("\nDeepSeek HF vs vLLM worst relative error per aux layer and teacher:", worst)
     assert max(worst) < REL_TOL, worst
+
+
+def test_drafter_from_the_vllm_store_accepts_like_one_from_the_hf_store(llama):
+    """What the store is for: a drafter trained on engine-captured features does as well as one on HF's."""
+    from draftsmith.stages.train import load_config, train
+
+    root, target, conv = llama
+    common = ["--target", str(target), "--conversations", str(conv), "--target-dtype", "float32",
+              "--draft-vocab-size", "64"]
+    for name, extra in (("hf", []), ("vllm", ["--backend", "vllm", "--vllm-python", str(VLLM_PYTHON),
+                                              "--kv-cache-gib", "0.25", "--max-num-seqs", "16"])):
+        if not (root / name / MANIFEST_NAME).is_file():
+            _cli(*common, "--out", str(root / name), *extra)
+    taus = {}
+    for name in ("hf", "vllm"):
+        cfg = load_config(None, dict(target=str(target), store=str(root / name), out=str(root / f"run-{name}"),
+                                     max_steps=60, batch_tokens=1024, ttt_steps=2, lr=3e-3, warmup_steps=5,
+                                     eval_fraction=0.25, eval_every=20, save_every=1000, log_every=20, seed=0,
+                                     progress=False, plot=False))
+        taus[name] = train(cfg).best_simulated_acceptance_length
+    print("\nheld-out simulated acceptance length, HF store vs vLLM store:", taus)
+    assert taus["hf"] > 1.05  # the drafter learned something, so the comparison means something
+    assert abs(taus["vllm"] - taus["hf"]) <= 0.05 * taus["hf"], taus  # same held-out ids, same seed
