@@ -685,3 +685,18 @@ def test_speculators_layout_with_a_reduced_vocabulary_needs_t2d(tmp_path, engine
     export_drafter(new_drafter(target), full, "speculators", verifier=str(target_dir))
     assert "t2d" not in load_file(str(full / "model.safetensors"))
     assert "weights.speculators-t2d" not in run(target_dir, full, engine=engine).ids(None)
+
+
+def test_truncated_target_weights_are_an_error(tmp_path):
+    """A target whose model.safetensors was cut short fails its load after minutes; doctor says so in 0.1 s."""
+    from draftsmith.stages.doctor import diagnose
+    from draftsmith.testing.models import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "t", "llama", "chatml")
+    assert not [f for f in diagnose(target).findings if f.id == "target.weights"]
+    weights = tmp_path / "t" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 5)
+    report = diagnose(target)
+    [finding] = [f for f in report.findings if f.id == "target.weights"]
+    assert finding.severity == "error" and "truncated" in finding.message and report.exit_code == 1

@@ -78,4 +78,25 @@ def read_checkpoint_headers(path: Path) -> tuple[dict[str, TensorInfo], str]:
     raise FileNotFoundError("no model.safetensors or model.safetensors.index.json")
 
 
-__all__ = ["TensorInfo", "read_checkpoint_headers", "read_safetensors_header", "read_small_tensor"]
+def damaged_files(path: Path) -> list[str]:
+    """The checkpoint's safetensors files that a loader would fail on: an unreadable header, or tensor data
+    that ends past the end of the file (a truncated copy). Reads headers and file sizes only."""
+    index = path / "model.safetensors.index.json"
+    try:
+        files = ([path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+                 if index.is_file() else sorted(path.glob("*.safetensors")))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{index.name}: unreadable ({e})"]
+    bad = []
+    for f in files:
+        try:
+            end = max((t.end for t in read_safetensors_header(f).values()), default=0)
+        except (OSError, ValueError) as e:
+            bad.append(f"{f.name}: unreadable header ({e})")
+            continue
+        if end > f.stat().st_size:
+            bad.append(f"{f.name}: truncated ({f.stat().st_size} bytes, its header needs {end})")
+    return bad
+
+
+__all__ = ["TensorInfo", "damaged_files", "read_checkpoint_headers", "read_safetensors_header", "read_small_tensor"]

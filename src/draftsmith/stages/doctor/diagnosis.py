@@ -12,7 +12,7 @@ from draftsmith.stages.doctor.drafter_checks import check_drafter_config, check_
 from draftsmith.stages.doctor.engine_checks import check_vllm_target
 from draftsmith.stages.doctor.report import ENGINES, DoctorReport, DoctorUsageError, Findings
 from draftsmith.stages.doctor.state import EngineFacts, load_drafter, load_target, setup_engine
-from draftsmith.stages.doctor.target_checks import check_target, check_tokenizer
+from draftsmith.stages.doctor.target_checks import check_target, check_tokenizer, check_weight_files
 
 
 def diagnose(target: str | Path, drafter: str | Path | None = None, *, engine: str = "vllm",
@@ -49,6 +49,7 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
     if t is None:
         return
     check_target(out, engine, t)
+    check_weight_files(out, "target", target_dir)
     check_tokenizer(out, t)
     if engine.name == "vllm":
         check_vllm_target(out, engine, t)

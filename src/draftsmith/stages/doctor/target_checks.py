@@ -5,8 +5,17 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from draftsmith.core.tensorfile import damaged_files
 from draftsmith.stages.doctor.report import Findings
 from draftsmith.stages.doctor.state import TOKENIZER_FILES, EngineFacts, TargetFiles
+
+
+def check_weight_files(out: Findings, which: str, path: Path) -> None:
+    """A truncated or corrupt weights file loads for 25 minutes, then fails: say so from its header and size."""
+    bad = damaged_files(path)
+    if bad:
+        out.add(f"{which}.weights", "error", f"the {which}'s weights cannot be loaded: {'; '.join(bad[:3])}",
+                str(path), "copy the file again (a download or copy was cut short)")
 
 
 def check_target(out: Findings, engine: EngineFacts, t: TargetFiles) -> None:
