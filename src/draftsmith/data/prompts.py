@@ -9,10 +9,11 @@ bench warns when a prompt it measures appears in the conversations a drafter was
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,8 +85,11 @@ def prompt_key(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def evaluation_keys() -> set[str]:
-    """Keys of every user turn of the installed evaluation sets (a set whose package is missing is skipped)."""
+@functools.cache
+def evaluation_keys() -> frozenset[str]:
+    """Keys of every user turn of the installed evaluation sets (a set whose package is missing is skipped).
+
+    Cached: a generate run filters its input twice (the up-front usability check, then the jobs)."""
     keys: set[str] = set()
     for name in EVALUATION_SETS:
         try:
@@ -93,14 +97,14 @@ def evaluation_keys() -> set[str]:
         except FileNotFoundError:
             continue
         keys.update(prompt_key(t) for p in prompts for t in p.turns)
-    return keys
+    return frozenset(keys)
 
 
 class EvaluationPromptDropped(DraftsmithError, ValueError):
     """A conversation with an evaluation prompt in it: skipped, never trained on."""
 
 
-def drop_evaluation_prompts(conversations: Iterable[tuple[int, Conversation | Exception]], keys: set[str]
+def drop_evaluation_prompts(conversations: Iterable[tuple[int, Conversation | Exception]], keys: Set[str]
                             ) -> Iterator[tuple[int, Conversation | Exception]]:
     """Never train on evaluation prompts: conversations with a user turn from an evaluation set become errors."""
     for n, conv in conversations:
