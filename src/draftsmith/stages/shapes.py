@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.model.sources import cache_home
+from draftsmith.core.machine import cache_get, cache_put, machine_key
 from draftsmith.model.target import Target, cache_keep
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
 
@@ -373,48 +373,6 @@ def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
 
 
 # --- caching ----------------------------------------------------------------------------------------------
-def machine_key(device: torch.device | str = "cpu") -> dict:
-    """What the cost curve depends on besides the model: CPU (and its bf16/AMX flags), GPU, torch, threads."""
-    cpu, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    device = torch.device(device)
-    return {"cpu": cpu, "flags": sorted(flags & {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx2"}),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device.type,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-
-
-def _cache_file(kind: str, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_home() / "shapes" / f"{kind}-{digest}.json"
-
-
-def cache_get(kind: str, key: dict) -> dict | None:
-    """The cached value for exactly this key, or None (missing, unreadable, or another key's file)."""
-    try:
-        data = json.loads(_cache_file(kind, key).read_text())
-    except (OSError, ValueError):
-        return None
-    return data.get("value") if data.get("key") == json.loads(json.dumps(key, sort_keys=True)) else None
-
-
-def cache_put(kind: str, key: dict, value: dict) -> None:
-    path = _cache_file(kind, key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "value": value}, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs a re-measurement next time
-
-
 def _target_key(target: Target) -> dict:
     return {"machine": machine_key(target.device), "target": target.fingerprint(),
             "dtype": str(target.dtype).removeprefix("torch.")}
