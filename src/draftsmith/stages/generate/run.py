@@ -116,8 +116,8 @@ class _Tally:
         self.progress.close()
 
 
-def _classify(item: Conversation | Exception, seen: set[str], finished: _Finished,
-              system: str | None) -> tuple[str, str | list[list[dict[str, str]]]]:
+def _classify(item: Conversation | Exception, seen: set[str], finished: _Finished, system: str | None,
+              max_turns: int | None = None) -> tuple[str, str | list[list[dict[str, str]]]]:
     """How one input line ends: ("job", segments), ("already", id), ("skip", reason) or ("error", reason)."""
     if isinstance(item, EmptyConversation):
         return "skip", "empty conversation"
@@ -130,7 +130,7 @@ def _classify(item: Conversation | Exception, seen: set[str], finished: _Finishe
     seen.add(item.id)
     if item.id in finished.ids:
         return "already", item.id
-    segments = plan_turns(item.messages, system)
+    segments = plan_turns(item.messages, system)[:max_turns]
     if not segments:
         return "skip", "no user turn"
     return "job", segments
@@ -141,7 +141,7 @@ def _input_jobs(cfg: GenerateConfig, finished: _Finished, tally: _Tally) -> Iter
     seen: set[str] = set()
     for line, item in _input_records(cfg):
         tally.summary.total += 1
-        kind, what = _classify(item, seen, finished, cfg.system)
+        kind, what = _classify(item, seen, finished, cfg.system, cfg.max_turns)
         if kind == "skip":
             tally.skip(what)  # type: ignore[arg-type]
         elif kind == "error":
@@ -180,7 +180,7 @@ def _check_usable_input(cfg: GenerateConfig, finished: _Finished) -> None:
     lines, bad = 0, []
     for line, item in _input_records(cfg):
         lines += 1
-        kind, what = _classify(item, seen, finished, cfg.system)
+        kind, what = _classify(item, seen, finished, cfg.system, cfg.max_turns)
         if kind in ("job", "already"):
             return
         if len(bad) <= _SHOWN_BAD_LINES:
