@@ -117,7 +117,7 @@ def _cfg(workspace, out, **kw) -> TrainConfig:
     root, model, convs = workspace
     base = dict(target=str(model), conversations=str(convs), out=str(out), max_steps=12, batch_tokens=512,
                 ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=6, save_every=3, draft_vocab_size=300,
-                eval_fraction=0.15, progress=False, plot=False)
+                eval_fraction=0.15, progress=False, plot=False, autocast="off")
     base.update(kw)
     return load_config(None, base)
 
@@ -179,13 +179,71 @@ def test_unknown_config_key_names_closest(tmp_path):
         load_config(None, {"store": "s", "autocast": "fp16"})
 
 
-def test_autocast_setting():
+def test_autocast_setting(monkeypatch, tmp_path):
     from draftsmith.model.target import bf16_native
-    from draftsmith.stages.train.loop import use_autocast
+    from draftsmith.stages.train import precision
 
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
     cpu = torch.device("cpu")
-    assert use_autocast("bf16", cpu) and not use_autocast("off", cpu)
-    assert use_autocast("auto", cpu) == bf16_native(cpu)  # on where the CPU has AMX tiles
+    assert precision.fixed_autocast("bf16", cpu) and not precision.fixed_autocast("off", cpu)
+    # auto: on where the CPU has AMX tiles; on other CPUs it is measured.
+    assert precision.fixed_autocast("auto", cpu) == (True if bf16_native(cpu) else None)
+    monkeypatch.setattr(precision, "bf16_native", lambda device: False)
+    target = tiny_target("llama", dtype=torch.float32)
+    drafter = new_drafter(target, draft_vocab_size=64)
+    calls, lines = [], []
+
+    def probe(seconds):
+        return lambda: calls.append(seconds) or seconds
+
+    faster_bf16 = {"float32": 2.0, "bf16": 1.0}
+    assert precision.choose_autocast("auto", cpu, drafter, 512, 2, probe(faster_bf16), lines.append)
+    assert lines[-1].startswith("autocast bf16: a training step took 2.00 s in float32, 1.00 s")
+    # Cached per machine and drafter shape: the second run does not measure again.
+    assert precision.choose_autocast("auto", cpu, drafter, 512, 2, probe({"float32": 1.0, "bf16": 2.0}),
+                                     lines.append)
+    assert calls == [faster_bf16]
+    # Another batch size is another measurement, and here float32 wins.
+    assert not precision.choose_autocast("auto", cpu, drafter, 1024, 2, probe({"float32": 1.0, "bf16": 2.0}),
+                                         lines.append)
+
+
+def test_measuring_autocast_leaves_the_run_as_it_was(workspace):
+    from draftsmith.stages.train import precision
+    from draftsmith.stages.train.data import OnlineSource
+
+    root, model, convs = workspace
+    target = load_target(model, dtype=torch.float32, pack=False)
+    source = OnlineSource(target, str(convs), 256)
+    drafter = new_drafter(target, draft_vocab_size=300).train()
+    lm_head = target.lm_head.weight.detach()
+    ids = drafter.to_target_ids(torch.arange(300))
+
+    def make_teacher(bf16):
+        head = lm_head.to(torch.bfloat16 if bf16 else torch.float32)
+        return lambda b: teacher_targets(b, head, ids, drafter.t2d, None)
+
+    rng = torch.get_rng_state()
+    seconds = precision.measure_autocast(drafter, source.load([0, 1]), make_teacher, ttt_steps=2, decay=0.8, reps=1)
+    assert set(seconds) == {"float32", "bf16"} and min(seconds.values()) > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in drafter.parameters())
+
+
+def test_resume_keeps_the_checkpoints_autocast_choice(workspace, tmp_path, monkeypatch):
+    from draftsmith.stages.train import precision
+    from draftsmith.stages.train import run as run_mod
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(precision, "bf16_native", lambda device: False)
+    choices = iter([{"float32": 1.0, "bf16": 2.0}, {"float32": 2.0, "bf16": 1.0}])
+    monkeypatch.setattr(precision, "cache_get", lambda kind, key: None)
+    monkeypatch.setattr(run_mod, "measure_autocast", lambda *a, **k: next(choices))
+    train(_cfg(workspace, tmp_path / "r", autocast="auto", stop_at_step=3))
+    train(_cfg(workspace, tmp_path / "r", autocast="auto", resume=True))  # would measure bf16 faster now
+    blob = torch.load(tmp_path / "r" / "checkpoints" / "step-0000012" / "trainer_state.pt", weights_only=True)
+    assert blob["state"]["autocast"] is False
+    assert next(choices) == {"float32": 2.0, "bf16": 1.0}  # the resumed run did not measure
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(workspace, tmp_path, monkeypatch):
@@ -362,3 +420,18 @@ def test_corrupt_late_shard_is_refused_before_the_first_step(workspace, small_st
     fixed.verify_all()
     assert sorted(fixed.sample_ids) == sorted(original.sample_ids)
     assert (fixed.total_tokens, fixed.total_loss_tokens) == (original.total_tokens, original.total_loss_tokens)
+
+
+def test_train_samples_is_a_nested_random_subset_with_the_same_held_out_split():
+    from draftsmith.stages.train.data import first_samples, split_eval
+
+    ids = [f"conv-{i}" for i in range(400)]
+    train_idx, eval_idx = split_eval(ids, 0.1)
+    small, large = first_samples(ids, train_idx, 50), first_samples(ids, train_idx, 150)
+    assert len(small) == 50 and len(large) == 150 and set(small) < set(large) < set(train_idx)
+    assert not set(large) & set(eval_idx)
+    assert first_samples(ids, train_idx, 0) == train_idx == first_samples(ids, train_idx, 10_000)
+    # Not the first ids in store order (a store sorts samples by length): spread over the whole range.
+    assert max(small) > 300 and min(small) < 100
+    with pytest.raises(TrainError, match="train_samples must be >= 0"):
+        load_config(None, {"store": "s", "train_samples": -1})

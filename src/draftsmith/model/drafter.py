@@ -382,6 +382,24 @@ def _init_weights(drafter: Eagle3Drafter, std: float = 0.02) -> None:
     nn.init.normal_(drafter.fc.weight, std=1.0 / math.sqrt(drafter.fc.in_features))
 
 
+@torch.no_grad()
+def init_head_from_target(drafter: Eagle3Drafter, lm_head_weight: torch.Tensor,
+                          final_norm_weight: torch.Tensor | None = None) -> bool:
+    """Start ``lm_head`` from the target's rows for the draft vocabulary and ``norm`` from its final norm.
+
+    The drafter's last step predicts the target's next hidden state and reads it out through the target's
+    head, so this puts the read-out where training would have to find it from random weights. False when
+    the drafter's width differs from the target's (nothing to copy).
+    """
+    if lm_head_weight.shape[1] != drafter.config.hidden_size:
+        return False
+    ids = drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=drafter.d2t.device))
+    drafter.lm_head.weight.copy_(lm_head_weight[ids.to(lm_head_weight.device)])
+    if final_norm_weight is not None and final_norm_weight.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(final_norm_weight)
+    return True
+
+
 def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dtype | None = None) -> Eagle3Drafter:
     """Load a drafter saved by draftsmith or an EAGLE/SpecForge checkpoint (``midlayer.*`` names)."""
     from safetensors.torch import load_file

@@ -491,6 +491,7 @@ class TargetHeads:
     lm_head_weight: torch.Tensor  # [V, H]
     final_logit_softcapping: float | None
     config: object  # the text config (for fingerprints and drafter sizes)
+    final_norm_weight: torch.Tensor | None = None  # [H], as a plain x * w RMSNorm scale (Gemma's 1 + w folded)
 
     @property
     def hidden_size(self) -> int:
@@ -502,12 +503,21 @@ class TargetHeads:
 
 
 def heads_of(target: Target) -> TargetHeads:
+    norm = getattr(getattr(target._decoder, "norm", None), "weight", None)
     return TargetHeads(target.embed_tokens, target.lm_head.weight,
-                       getattr(target.config, "final_logit_softcapping", None), target.config)
+                       getattr(target.config, "final_logit_softcapping", None), target.config,
+                       _plain_norm_scale(norm.detach(), target.config) if norm is not None else None)
+
+
+def _plain_norm_scale(weight: torch.Tensor, config) -> torch.Tensor:
+    """The final norm's scale as a plain RMSNorm's: Gemma's norms multiply by ``1 + weight``."""
+    gemma = str(getattr(config, "model_type", "")).startswith("gemma")
+    return weight + 1 if gemma else weight
 
 
 def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> TargetHeads:
-    """Read only ``embed_tokens`` and ``lm_head`` from the target's safetensors (seconds, even for 1T models)."""
+    """Read only ``embed_tokens``, ``lm_head`` and the final norm from the target's safetensors (seconds, even
+    for 1T models)."""
     import json as _json
 
     from safetensors import safe_open
@@ -548,4 +558,11 @@ def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dty
     embed_w = read(embed_key)
     head_w = embed_w if head_key == embed_key else read(head_key)
     embed = nn.Embedding.from_pretrained(embed_w, freeze=True)
-    return TargetHeads(embed, head_w, getattr(config, "final_logit_softcapping", None), config)
+    # The final norm: the shortest "norm.weight" outside the decoder layers (model.norm.weight and its kin).
+    norm_keys = sorted((k for k in weight_map if k.endswith("norm.weight") and ".layers." not in k
+                        and not any(s in k for s in ("vision", "visual", "mtp"))), key=len)
+    norm_w = read(norm_keys[0]) if norm_keys else None
+    if norm_w is not None and norm_w.shape != (head_w.shape[1],):
+        norm_w = None
+    return TargetHeads(embed, head_w, getattr(config, "final_logit_softcapping", None), config,
+                       _plain_norm_scale(norm_w, config) if norm_w is not None else None)

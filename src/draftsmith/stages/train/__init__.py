@@ -25,7 +25,7 @@ from draftsmith.stages.train.config import TrainConfig, TrainError, config_hash,
 _LAZY = {
     "StoreSource": "data", "OnlineSource": "data", "collate": "data", "split_eval": "data", "make_batches": "data",
     "read_metrics": "logs", "write_csv": "logs", "plot_run": "logs",
-    "Teacher": "loop", "evaluate": "loop", "use_autocast": "loop",
+    "Teacher": "loop", "evaluate": "loop", "choose_autocast": "precision",
     "TrainResult": "run", "train": "run",
 }
 

@@ -26,9 +26,11 @@ class TrainConfig:
     vocab: str | None = None  # d2t/t2d file; default: the store's vocab.safetensors
     draft_vocab_size: int = 32000  # used when the vocab is built on the fly (online mode)
     init_drafter: str | None = None  # start from an existing drafter instead of random weights
+    init_head: bool = False  # a fresh drafter's lm_head and norm start as the target's head rows and final norm
     ttt_steps: int = 7
     step_decay: float = 0.8
     epochs: int = 1
+    train_samples: int = 0  # 0: every training sample; N: the first N by id hash (data-scaling curves)
     max_steps: int = 0  # 0: as many optimizer steps as `epochs` give
     batch_tokens: int = 2048  # tokens per micro-batch (length-bucketed, right-padded)
     grad_accum: int = 1
@@ -89,6 +91,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise TrainError(f"autocast must be auto, bf16 or off, not {cfg.autocast!r}")
     if cfg.ttt_steps < 1 or cfg.batch_tokens < 2 or cfg.grad_accum < 1:
         raise TrainError("ttt_steps, grad_accum must be >= 1 and batch_tokens >= 2")
+    if cfg.train_samples < 0:
+        raise TrainError(f"train_samples must be >= 0 (0: all), not {cfg.train_samples}")
     return cfg
 
 

@@ -79,15 +79,26 @@ def collate(samples, max_length: int, dtype: torch.dtype) -> TTTBatch:
     return TTTBatch(ids, mask, aux, hid, torch.tensor([len(s[0]) for s in samples]))
 
 
+def _id_hash(sid: str) -> float:
+    return int(hashlib.sha256(sid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
 def split_eval(ids: list[str], fraction: float) -> tuple[list[int], list[int]]:
     """Held-out split by a hash of the sample id: stable across reruns and store growth."""
     train, held = [], []
     for i, sid in enumerate(ids):
-        h = int(hashlib.sha256(sid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        (held if h < fraction else train).append(i)
+        (held if _id_hash(sid) < fraction else train).append(i)
     if not train:
         train, held = held, []
     return train, held
+
+
+def first_samples(ids: list[str], train_idx: list[int], n: int) -> list[int]:
+    """The ``n`` training samples first in id-hash order (all when ``n`` is 0): a random subset, and the
+    subset for a smaller ``n`` lies inside the one for a larger, so a data-scaling curve only adds data."""
+    if not n or n >= len(train_idx):
+        return train_idx
+    return sorted(sorted(train_idx, key=lambda i: _id_hash(ids[i]))[:n])
 
 
 def make_batches(indices: list[int], lengths: list[int], batch_tokens: int, seed: int) -> list[list[int]]:

@@ -42,13 +42,6 @@ def setup_distributed(device: str) -> None:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
 
 
-def use_autocast(setting: str, device: torch.device) -> bool:
-    """bf16 autocast pays where bf16 matmuls are native (1.4x tokens/s over fp32 on an AMX CPU core)."""
-    from draftsmith.model.target import bf16_native
-
-    return setting == "bf16" if setting != "auto" else bf16_native(device)
-
-
 class Teacher:
     """Teacher targets per batch, with the target's full-vocabulary argmax cached per stored sample.
 
@@ -77,12 +70,13 @@ class Teacher:
 
 
 @torch.no_grad()
-def evaluate(drafter: Eagle3Drafter, source, indices: list[int], cfg: TrainConfig, teacher, device) -> dict:
+def evaluate(drafter: Eagle3Drafter, source, indices: list[int], cfg: TrainConfig, teacher, device,
+             autocast: bool = False) -> dict:
     drafter.eval()
     total = TTTStats()
     for batch_idx in make_batches(indices, source.lengths, cfg.batch_tokens, seed=0):
         batch = source.load(batch_idx).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast(cfg.autocast, device)):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, s = ttt_forward(drafter, batch, teacher(batch), cfg.ttt_steps, cfg.step_decay)
         total.add(s)
     rank, world = dist_info()
@@ -168,7 +162,7 @@ def train_loop(run: Run) -> dict:
             if bar is not None:
                 bar.update(1)
             if run.eval_idx and (step % cfg.eval_every == 0 or step == run.total_steps):
-                last_eval = evaluate(drafter, run.source, run.eval_idx, cfg, run.teacher, device)
+                last_eval = evaluate(drafter, run.source, run.eval_idx, cfg, run.teacher, device, run.autocast)
                 log.write(step=step, eval=True, **{k: v for k, v in last_eval.items() if k != "acc"},
                           **{f"eval_acc_{i}": a for i, a in enumerate(last_eval["acc"])})
                 if last_eval["simulated_tau"] > state["best_tau"] and run.rank == 0:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +19,13 @@ import torch.distributed as dist
 
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import default_aux_layers
-from draftsmith.model.drafter import Eagle3Drafter, load_drafter, new_drafter
+from draftsmith.model.drafter import Eagle3Drafter, init_head_from_target, load_drafter, new_drafter
 from draftsmith.stages.train.checkpoints import load_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import TrainConfig, TrainError, config_hash
-from draftsmith.stages.train.data import OnlineSource, StoreSource, make_batches, split_eval
+from draftsmith.stages.train.data import OnlineSource, StoreSource, first_samples, make_batches, split_eval
 from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
-from draftsmith.stages.train.loop import Run, Teacher, dist_info, setup_distributed, train_loop, use_autocast
+from draftsmith.stages.train.loop import Run, Teacher, dist_info, setup_distributed, train_loop
+from draftsmith.stages.train.precision import choose_autocast, measure_autocast
 
 LOCK_NAME = ".train.lock"
 
@@ -65,17 +67,18 @@ def _lock_out(out: Path, rank: int):
 def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     device = _setup_device(cfg, world)
     dtype = _resolve_dtype(cfg)
-    compute_dtype = torch.float32  # master weights; matmuls under bf16 autocast where that is native
-    autocast = use_autocast(cfg.autocast, device)
+    compute_dtype = torch.float32  # master weights; matmuls under bf16 autocast where that pays
     torch.manual_seed(cfg.seed)
 
     source, heads, aux_layers, dv = _setup_source(cfg, device, dtype, compute_dtype)
     drafter = _setup_drafter(cfg, heads, dv, aux_layers, device, compute_dtype)
-    teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype)
     train_idx, eval_idx = split_eval(source.ids, cfg.eval_fraction)
+    train_idx = first_samples(source.ids, train_idx, cfg.train_samples)
     total_steps = _total_steps(cfg, train_idx, source.lengths, world)
     params, opt, sched = _setup_optimizer(cfg, drafter, total_steps, world)
     state = _setup_state(cfg, out, drafter, opt, sched)
+    autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world)
+    teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype)
     log = MetricsLog(out, rank)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -194,6 +197,8 @@ def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
         embed_tokens=heads.embed_tokens, aux_layers=aux_layers or default_aux_layers(n_layers),
         device=torch.device(device), dtype=dtype, fingerprint=lambda: fingerprint)
     drafter = new_drafter(like_target, draft_vocab=dv, seed=cfg.seed)
+    if cfg.init_head:
+        init_head_from_target(drafter, heads.lm_head_weight, heads.final_norm_weight)
     return drafter.to(device=device, dtype=dtype).train()
 
 
@@ -230,6 +235,35 @@ def _lr_lambda(cfg: TrainConfig, total_steps: int):
         progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return f
+
+
+def _setup_autocast(cfg: TrainConfig, device: torch.device, drafter, heads, source, train_idx: list[int],
+                    state: dict, compute_dtype: torch.dtype, rank: int, world: int) -> bool:
+    """bf16 autocast or not: the checkpoint's choice on resume, else fixed or measured (``precision``).
+
+    Under torchrun every rank takes rank 0's answer, so all ranks compute alike.
+    """
+    if "autocast" in state:
+        return bool(state["autocast"])
+
+    def probe() -> dict[str, float]:
+        first = make_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed)[0]
+        batch = source.load(first).to(device)
+        return measure_autocast(drafter, batch, lambda bf16: _setup_teacher(drafter, heads, device, bf16,
+                                                                             compute_dtype),
+                                cfg.ttt_steps, cfg.step_decay)
+
+    def log(line: str) -> None:
+        if rank == 0:
+            print(f"train: {line}", file=sys.stderr, flush=True)
+
+    on = choose_autocast(cfg.autocast, device, drafter, cfg.batch_tokens, cfg.ttt_steps, probe, log)
+    if world > 1:
+        flag = torch.tensor([int(on)], device=device if device.type == "cuda" else "cpu")
+        dist.broadcast(flag, src=0)
+        on = bool(flag.item())
+    state["autocast"] = on
+    return on
 
 
 def _setup_state(cfg: TrainConfig, out: Path, drafter, opt, sched) -> dict:
