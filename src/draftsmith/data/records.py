@@ -54,6 +54,19 @@ class Conversation:
     messages: list[dict[str, str]]
 
 
+def first_turns(conv: Conversation, max_turns: int | None) -> Conversation:
+    """The conversation up to its ``max_turns``-th user turn and that turn's answer (all of it for None)."""
+    if max_turns is None:
+        return conv
+    users = 0
+    for i, m in enumerate(conv.messages):
+        if m["role"] == "user":
+            users += 1
+            if users > max_turns:
+                return Conversation(conv.id, conv.messages[:i])
+    return conv
+
+
 def assistant_content(message: Mapping[str, Any]) -> str:
     """Assistant text with any reasoning kept, in the ``<think>`` form reasoning models emit.
 

@@ -25,9 +25,15 @@ from draftsmith.data.chat import (
     EmptyConversation,
     SequenceTooLong,
     chat_format,
-    read_jsonl,
     tokenize_conversation,
 )
+from draftsmith.data.prompts import (
+    EvaluationPromptDropped,
+    conversation_source,
+    drop_evaluation_prompts,
+    evaluation_keys,
+)
+from draftsmith.data.records import Conversation, first_turns, read_records
 from draftsmith.data.store import LOCK_NAME, MANIFEST_NAME, FeatureStore, FeatureStoreWriter
 
 LongPolicy = Literal["truncate", "skip"]
@@ -68,6 +74,7 @@ class CaptureConfig:
     max_tokens_per_batch: int | None = 16384  # padded tokens per forward pass
     draft_vocab_size: int | None = 32000  # None: skip the vocab step
     limit: int | None = None  # read at most this many records
+    max_turns: int | None = None  # keep each conversation's first N user turns (and their answers)
     shard_max_bytes: int = 256 * 1024 * 1024
     flush_interval_s: float = 60.0
     sort_window: int = 1024
@@ -75,7 +82,7 @@ class CaptureConfig:
 
     def validate(self) -> None:
         """Reject bad values before a multi-minute target load, with the flag's name in the message."""
-        self.conversations, self.out = Path(self.conversations), Path(self.out)
+        self.conversations, self.out = conversation_source(self.conversations), Path(self.out)
         if self.dtype not in ("bf16", "fp8"):
             raise ValueError(f"--dtype must be bf16 or fp8, got {self.dtype!r}")
         if self.long not in ("truncate", "skip"):
@@ -89,6 +96,8 @@ class CaptureConfig:
             raise ValueError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
         if self.limit is not None and self.limit < 0:
             raise ValueError(f"--limit must be >= 0, got {self.limit}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.target_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"--target-dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
         if not self.conversations.exists():
@@ -119,14 +128,15 @@ class CaptureCounts:
     already_stored: int = 0  # committed by an earlier run: resume
     duplicate_id: int = 0  # id seen earlier in this input
     invalid: int = 0  # bad JSON, unknown record shape, bad message, ids outside the target vocab
+    evaluation_prompt: int = 0  # a user turn is an MT-bench/HumanEval prompt: never trained on
     template_error: int = 0  # the chat template hides or rewrites assistant content
     no_loss_tokens: int = 0  # no assistant token to learn from (also after truncation)
     too_long: int = 0  # longer than max_length under the "skip" policy
     nonfinite: int = 0  # NaN/Inf in the features: never stored
     truncated: int = 0  # captured, but cut to max_length
 
-    BUCKETS = ("captured", "already_stored", "duplicate_id", "invalid", "template_error", "no_loss_tokens",
-               "too_long", "nonfinite")
+    BUCKETS = ("captured", "already_stored", "duplicate_id", "invalid", "evaluation_prompt", "template_error",
+               "no_loss_tokens", "too_long", "nonfinite")
 
     def accounted(self) -> int:
         return sum(getattr(self, b) for b in self.BUCKETS)
@@ -242,7 +252,17 @@ def store_meta(target, tokenizer, *, max_length: int, long: LongPolicy, target_d
     }
 
 
+def read_conversations(config: CaptureConfig):
+    """``(line, conversation or error)`` for the input (JSONL or a JSON array such as ShareGPT's), with
+    evaluation prompts turned into errors and each conversation cut to ``max_turns``."""
+    records = drop_evaluation_prompts(read_records(config.conversations), evaluation_keys())
+    for line_no, item in records:
+        yield line_no, first_turns(item, config.max_turns) if isinstance(item, Conversation) else item
+
+
 def _count_records(path: Path, limit: int | None) -> int:
+    if path.suffix == ".json":  # an array: counting would parse it twice; the limit bounds the bar
+        return limit if limit is not None else sum(1 for _ in read_records(path))
     opener = gzip.open if path.suffix == ".gz" else open
     n = 0
     with opener(path, "rb") as fh:
@@ -327,6 +347,8 @@ class _Run:
         self.counts.records += 1
         if isinstance(item, EmptyConversation):
             return self._bump("no_loss_tokens", line, None, _bare_reason(item))
+        if isinstance(item, EvaluationPromptDropped):
+            return self._bump("evaluation_prompt", line, None, _bare_reason(item))
         if isinstance(item, Exception):
             return self._bump("invalid", line, None, _bare_reason(item))
         sid = item.id
@@ -409,7 +431,7 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
         with FeatureStoreWriter(config.out, meta=meta, dtype=config.dtype,
                                 shard_max_bytes=config.shard_max_bytes) as writer:
             run = make_run(writer, report, progress)
-            for line_no, item in read_jsonl(config.conversations):
+            for line_no, item in read_conversations(config):
                 if config.limit is not None and report.counts.records >= config.limit:
                     break
                 run.add_record(item, line_no)
