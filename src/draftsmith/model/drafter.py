@@ -78,6 +78,12 @@ class DrafterConfig:
             kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
         return cls(**kw)
 
+    def shape_key(self) -> dict:
+        """The sizes a timing of this drafter depends on (keys of the measurement cache)."""
+        return {"hidden": self.hidden_size, "inter": self.intermediate_size, "heads": self.num_attention_heads,
+                "kv": self.num_key_value_heads, "draft_vocab": self.draft_vocab_size,
+                "aux": len(self.aux_layer_ids), "target_hidden": self.target_hidden_size}
+
     def to_hf_config(self, dtype: torch.dtype = torch.float32) -> dict:
         """config.json in the EAGLE-3 HF layout (SGLang/SpecForge), which vLLM also loads."""
         return {

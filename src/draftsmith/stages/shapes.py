@@ -378,17 +378,9 @@ def _target_key(target: Target) -> dict:
             "dtype": str(target.dtype).removeprefix("torch.")}
 
 
-def _drafter_arch(drafter) -> dict | None:
-    if drafter is None:
-        return None
-    c = drafter.config
-    return {"hidden": c.hidden_size, "inter": c.intermediate_size, "heads": c.num_attention_heads,
-            "kv": c.num_key_value_heads, "draft_vocab": c.draft_vocab_size}
-
-
 def cached_verify_cost(target: Target, drafter=None, refresh: bool = False, **measure) -> tuple[VerifyCost, bool]:
     """(cost, whether it came from the cache). Keyed by machine, target fingerprint, dtype, drafter shape."""
-    key = {**_target_key(target), "drafter": _drafter_arch(drafter),
+    key = {**_target_key(target), "drafter": drafter.config.shape_key() if drafter is not None else None,
            "measure": {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(measure.items())}}
     hit = None if refresh else cache_get("verify-cost", key)
     if hit is not None:

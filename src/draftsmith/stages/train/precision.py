@@ -58,11 +58,8 @@ def choose_autocast(setting: str, device: torch.device, drafter, batch_tokens: i
     fixed = fixed_autocast(setting, device)
     if fixed is not None:
         return fixed
-    c = drafter.config
     key = {"machine": machine_key(device), "batch_tokens": batch_tokens, "ttt_steps": ttt_steps,
-           "drafter": {"hidden": c.hidden_size, "inter": c.intermediate_size, "heads": c.num_attention_heads,
-                       "kv": c.num_key_value_heads, "draft_vocab": c.draft_vocab_size,
-                       "aux": len(c.aux_layer_ids), "target_hidden": c.target_hidden_size}}
+           "drafter": drafter.config.shape_key()}
     hit = cache_get("train-autocast", key)
     if hit is None:
         hit = probe()
