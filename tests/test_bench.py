@@ -100,3 +100,26 @@ def test_run_bench_refuses_an_empty_prompt_set_before_decoding(bench_dirs):
     with pytest.raises(UsageError, match="max_new_tokens must be >= 1"):
         run_bench(target, drafter, [str(bench_dirs / "one.jsonl")], [ChainSpec(2)], max_new_tokens=-1,
                   progress=False)
+
+
+def test_bench_shape_auto_hybrid_comes_with_its_tree(bench_dirs, capsys, tmp_path, monkeypatch):
+    """A chosen hybrid is measured next to its bare tree; both stay lossless against plain decoding (fp32)."""
+    from draftsmith.cli import main
+    from draftsmith.stages import shapes
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
+    # A drafter and a lookup this good make a hybrid pay on any measured curve of a tiny model.
+    good = shapes.Acceptance(((0.9, 0.05),) * 8, "test", lookup=(0.9,) * 8, lookup_rate=1.0)
+    monkeypatch.setattr(shapes, "calibrate_acceptance", lambda *a, **k: good)
+    code = main(["bench", "--target", str(bench_dirs / "model"), "--drafter", str(bench_dirs / "drafter"),
+                 "--datasets", str(bench_dirs / "one.jsonl"), "--max-new-tokens", "8", "--dtype", "float32",
+                 "--chain", "2", "--shape", "auto", "--out", str(tmp_path / "b"), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads((tmp_path / "b" / "bench.json").read_text())
+    chosen = report["auto_shape"]["shape"]
+    assert chosen.startswith("hybrid ") and f"shape: {chosen} (expected" in err
+    tree = "eagle3 tree " + chosen.removeprefix("hybrid ").split("+")[0]
+    methods = report["results"][0]["methods"]
+    assert list(methods) == ["plain", "eagle3 chain k=2", tree, chosen, "prompt lookup k=3"]
+    assert all(m["identical_to_plain"] == "1/1" for name, m in methods.items() if name != "plain")

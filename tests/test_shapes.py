@@ -11,7 +11,7 @@ from conftest import fit_drafter, random_prompts, tiny_target
 from draftsmith.cli import main
 from draftsmith.core import machine
 from draftsmith.stages import shapes
-from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
+from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SpeculativeDecoder, TreeSpec
 from draftsmith.stages.shapes import (
     DEFAULT_CANDIDATES,
     Acceptance,
@@ -38,7 +38,8 @@ def curve(step: float, slope: float, draft: float = 0.05) -> VerifyCost:
 def test_choice_is_the_argmax_of_its_own_cost_model(slope):
     cost = curve(0.04, slope)
     choice = choose_shape(ACC, cost, DEFAULT_CANDIDATES)
-    brute = max(DEFAULT_CANDIDATES, key=lambda s: expected_speedup(ACC, s, cost))
+    usable = [s for s in DEFAULT_CANDIDATES if not isinstance(s, HybridSpec)]  # ACC measured no lookup
+    brute = max(usable, key=lambda s: expected_speedup(ACC, s, cost))
     assert choice.shape == brute
     assert choice.speedup == pytest.approx(expected_speedup(ACC, brute, cost)) and choice.speedup > 1
     assert choice.reason.startswith(f"expected {choice.speedup:.2f}x") and "plain 1.00x" in choice.reason
@@ -183,3 +184,69 @@ def test_cli_shape_auto_chooses_the_dtype_and_measures_once(model_dir, capsys, t
 def test_cli_shape_auto_needs_a_drafter(model_dir, capsys):
     code = main(["decode", "--target", str(model_dir), "--prompt", "x", "--shape", "auto"])
     assert code == 2 and "--shape need --drafter" in capsys.readouterr().err
+
+
+LOOKUP = Acceptance(ACC.ranks, lookup=(0.3, 0.25, 0.2, 0.1), lookup_rate=0.5)
+
+
+def test_hybrid_tau_adds_lookups_reach():
+    acc = Acceptance(((0.6, 0.2), (0.5, 0.1)), lookup=(0.5, 0.4, 0.3), lookup_rate=0.8)
+    tree = TreeSpec(2, 2, 4)  # kept: 0.6 and 0.2 at depth 1, 0.3 at depth 2
+    # Depth d is reached unless both miss: 1 - (1 - tree)(1 - lookup), for d = 1, 2, 3 (lookup k=3 reaches 3).
+    want = 1 + (1 - 0.2 * 0.5) + (1 - 0.7 * 0.6) + (1 - 1.0 * 0.7)
+    assert expected_tau(acc, HybridSpec(tree, NgramSpec(3))) == pytest.approx(want)
+    assert expected_tau(acc, HybridSpec(tree, NgramSpec(1))) == pytest.approx(1 + 0.9 + 0.3)
+    no_lookup = Acceptance(acc.ranks)
+    assert expected_tau(no_lookup, HybridSpec(tree, NgramSpec(3))) == pytest.approx(expected_tau(acc, tree))
+    # The lookup branch is verified only in rounds where lookup proposes: 80% of them here.
+    cost = curve(1.0, 0.1, draft=0.0)
+    want_t = 0.8 * cost.t_verify(7, True) + 0.2 * cost.t_verify(4, True)
+    assert shapes.expected_verify_time(cost, HybridSpec(tree, NgramSpec(3)), acc) == pytest.approx(want_t)
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.05, 0.2])
+def test_choice_with_lookup_is_the_argmax_and_weighs_hybrids(slope):
+    cost = curve(0.04, slope)
+    choice = choose_shape(LOOKUP, cost, DEFAULT_CANDIDATES)
+    brute = max(DEFAULT_CANDIDATES, key=lambda s: expected_speedup(LOOKUP, s, cost))
+    assert choice.speedup == pytest.approx(expected_speedup(LOOKUP, brute, cost))
+    assert choice.shape == brute
+    if slope <= 0.05:  # where a tree pays, lookup's reach past it pays for its 3 verify slots too
+        assert isinstance(choice.shape, HybridSpec)
+    assert choice.reason.startswith(f"expected {choice.speedup:.2f}x") and "plain 1.00x" in choice.reason
+    # Without a lookup measurement a hybrid is never chosen (it would be its tree plus verify slots).
+    assert not isinstance(choose_shape(ACC, cost).shape, HybridSpec)
+    assert not any(name.startswith("hybrid") for name in choose_shape(ACC, cost).table)
+
+
+def test_lookup_reach_replays_prompt_lookup():
+    reach = shapes.LookupReach(depth=3)
+    # prompt 1 2 3; generated 1 2 4 1 2: after "3 1" lookup proposes "2 3" (from the prompt), right for 1;
+    # after "1 2" it proposes "3 1 2", wrong; after "2 4" nothing matches "4"; after "4 1" it finds "1 2 4"...
+    prompt, gen = [1, 2, 3], [1, 2, 4, 1, 2]
+    reach.add(prompt, gen)
+    spec = NgramSpec(3)
+    seq = prompt + gen
+    want = [0, 0, 0]
+    for t in range(len(prompt), len(seq) - 1):
+        ahead = seq[t + 1:]
+        for d, tok in enumerate(shapes.ngram_propose(seq[: t + 1], spec)):
+            if d >= len(ahead) or ahead[d] != tok:
+                break
+            want[d] += 1
+    assert reach.positions == 4 and reach.reach == want and want[0] >= 2
+    lookup, rate = reach.result()
+    assert lookup == tuple(w / 4 for w in want) and 0 < rate <= 1
+    assert shapes.LookupReach().result() == ((), 0.0)
+
+
+def test_calibration_measures_lookup_and_round_trips(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    target = tiny_target("llama", num_hidden_layers=3)
+    from draftsmith.model.drafter import new_drafter
+
+    prompts = random_prompts(3, seed=2, max_len=10)
+    acc = shapes.calibrate_acceptance(target, new_drafter(target), prompts, depth=2, top_k=2, max_new_tokens=20)
+    assert len(acc.lookup) == shapes.LOOKUP_DEPTH and 0 <= acc.lookup_rate <= 1
+    assert list(acc.lookup) == sorted(acc.lookup, reverse=True)  # reaching depth d+1 implies reaching d
+    assert Acceptance.from_dict(json.loads(json.dumps(acc.to_dict()))) == acc

@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"EAGLE-2 dynamic tree, e.g. 5,8,48. {TREE_BOUND}")
     s.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
                    help=f"n-gram prompt-lookup drafting of K tokens (no drafter; the free baseline). {K_BOUND}")
-    s.add_argument("--shape", choices=["auto"], default=None, help="auto: the chain/tree (or plain) expected fastest "
-                   "here from measured verify costs and acceptance (cached); no --dtype: fp32 or bf16, the faster")
+    s.add_argument("--shape", choices=["auto"], default=None, help="auto: the chain, tree or hybrid (or plain) "
+                   "expected fastest here from measured verify costs and acceptance (cached); no --dtype: fp32 or "
+                   "bf16, the faster")
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="graft K prompt-lookup tokens (default 3) onto the --tree draft tree, verified in one pass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL",
                    help=f"EAGLE-2 dynamic tree; with --chain too, both are measured in the same run. {TREE_BOUND}")
     p.add_argument("--shape", choices=["auto"], default=None, help="auto: also the shape `decode --shape auto` picks "
-                   "(see there); with no --dtype, in fp32 or bf16, whichever steps faster here")
+                   "(see there; a hybrid comes with its bare tree); with no --dtype, in fp32 or bf16, whichever "
+                   "steps faster here")
     p.add_argument("--prompt-lookup", type=int, default=3, metavar="K",
                    help="also measure n-gram prompt lookup with K tokens (0: skip; at most 64)")
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
@@ -152,8 +154,10 @@ def _bench(args) -> int:
     target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
     drafter = load_drafter(args.drafter, target)
     choice = print_choice(target, drafter, args.drafter, note) if args.shape else None
-    if choice is not None and choice.shape is not None and choice.shape not in specs:
-        specs.append(choice.shape)
+    if choice is not None and choice.shape is not None:
+        # A chosen hybrid is measured with its bare tree too, so the table shows what lookup's branch adds.
+        chosen = [choice.shape.tree, choice.shape] if isinstance(choice.shape, HybridSpec) else [choice.shape]
+        specs += [s for s in chosen if s not in specs]
     report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], specs, temperatures,
                        limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        prompt_lookup_k=args.prompt_lookup or None, progress=args.progress,

@@ -221,7 +221,7 @@ def print_summary(result: dict, table: str) -> None:
     print(f"drafter:  {result['drafter']}")
     print(f"exported: {result['export']} (vLLM layout)")
     for name, m in result["bench"].items():
-        if name.startswith("eagle3"):
+        if name.startswith(("eagle3", "hybrid")):
             print(f"EAGLE-3 {name.removeprefix('eagle3 ')}: acceptance length {m['acceptance_length']:.2f}, "
                   f"speedup {m['speedup']:.2f}x over plain decoding (same process)")
     if result.get("simulated_acceptance_length"):

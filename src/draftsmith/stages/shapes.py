@@ -4,7 +4,8 @@ A shape pays ``tau(shape) * t_step / (t_verify(n) + t_draft(shape))``: tokens pe
 round, in units of a plain 1-token step. The verify curve ``t_verify(n)`` and the drafter step costs are
 measured here in a few seconds (interleaved, medians) and cached per machine and target; ``tau`` comes
 from the drafter's per-depth, per-rank acceptance, measured on a short calibration decode (cached per
-drafter). When no shape's expected speedup exceeds 1, the answer is plain decoding.
+drafter). A hybrid (a tree with the prompt-lookup continuation grafted on) adds lookup's reach, measured on
+the same calibration text. When no shape's expected speedup exceeds 1, the answer is plain decoding.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ import torch
 
 from draftsmith.core.machine import cache_get, cache_put, machine_key
 from draftsmith.model.target import Target, cache_keep
-from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
+from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SpeculativeDecoder, TreeSpec, ngram_propose
 
-Shape = ChainSpec | TreeSpec
+Shape = ChainSpec | TreeSpec | HybridSpec
 
-#: Chains 1..8 and EAGLE-2 trees from narrow and shallow to EAGLE-2's own 6,10,60.
+#: EAGLE-2 trees from narrow and shallow to EAGLE-2's own 6,10,60.
+TREES: tuple[TreeSpec, ...] = tuple(TreeSpec(d, k, t) for d, k, t in (
+    (2, 4, 6), (2, 6, 10), (3, 4, 8), (3, 6, 12), (3, 8, 16), (4, 6, 16), (4, 8, 24), (5, 8, 32), (6, 8, 48),
+    (6, 10, 60)))
+#: Chains 1..8, the trees, and each tree with prompt lookup's 3 tokens grafted on (bench's default k).
 DEFAULT_CANDIDATES: tuple[Shape, ...] = (
-    *(ChainSpec(k) for k in range(1, 9)),
-    *(TreeSpec(d, k, t) for d, k, t in ((2, 4, 6), (2, 6, 10), (3, 4, 8), (3, 6, 12), (3, 8, 16), (4, 6, 16),
-                                        (4, 8, 24), (5, 8, 32), (6, 8, 48), (6, 10, 60))),
-)
+    *(ChainSpec(k) for k in range(1, 9)), *TREES, *(HybridSpec(t, NgramSpec(3)) for t in TREES))
+#: How far calibration follows prompt lookup's proposals (longer ones are cut to this).
+LOOKUP_DEPTH = 8
 #: Verified tokens (root incl.) at which the verify curve is measured; others are interpolated.
 DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION_PROMPTS = (
@@ -74,9 +78,12 @@ class VerifyCost:
         return _interp(self.tree_verify if tree and self.tree_verify else self.verify, n)
 
     def t_draft(self, shape: Shape) -> float:
-        """A chain: k one-token steps. A tree: one step for the root, then depth-1 levels of top_k nodes."""
+        """A chain: k one-token steps. A tree: one step for the root, then depth-1 levels of top_k nodes.
+        A hybrid drafts its tree; the lookup costs no model pass."""
         if not self.draft:
             return 0.0
+        if isinstance(shape, HybridSpec):
+            shape = shape.tree
         if isinstance(shape, ChainSpec):
             return shape.k * _interp(self.draft, 1)
         return _interp(self.draft, 1) + (shape.depth - 1) * _interp(self.draft, shape.top_k)
@@ -95,10 +102,16 @@ class VerifyCost:
 class Acceptance:
     """``ranks[d][j]``: how often the target's token at depth d+1 is the drafter's (j+1)-th choice there,
     given that depths 1..d were accepted. A chain uses rank 0 only; a tree uses top_k ranks per depth.
-    Depths and ranks not measured count as never accepted."""
+    Depths and ranks not measured count as never accepted.
+
+    ``lookup[d]``: how often prompt lookup's proposal there matches the target's next d+1 tokens (0 where it
+    proposes nothing); ``lookup_rate``: how often it proposes anything. Empty: lookup never helps.
+    """
 
     ranks: tuple[tuple[float, ...], ...]
     source: str = "given"
+    lookup: tuple[float, ...] = ()
+    lookup_rate: float = 0.0
 
     def rank(self, depth: int, j: int) -> float:
         if depth >= len(self.ranks) or j >= len(self.ranks[depth]):
@@ -111,11 +124,22 @@ class Acceptance:
         return cls(tuple((float(a),) for a in acc), source)
 
     def to_dict(self) -> dict:
-        return {"ranks": [list(r) for r in self.ranks], "source": self.source}
+        return {"ranks": [list(r) for r in self.ranks], "source": self.source, "lookup": list(self.lookup),
+                "lookup_rate": self.lookup_rate}
+
+    @classmethod
+    def from_dict(cls, d: dict, note: str = "") -> Acceptance:
+        return cls(tuple(tuple(r) for r in d["ranks"]), d["source"] + note, tuple(d.get("lookup", ())),
+                   float(d.get("lookup_rate", 0.0)))
 
 
 def tree_node_values(acc: Acceptance, shape: TreeSpec) -> list[float]:
-    """EAGLE-2's selection replayed on expected values: the kept nodes' probabilities of lying on the target's path.
+    """EAGLE-2's selection replayed on expected values: the kept nodes' probabilities of lying on the target's path."""
+    return [v for v, _ in _tree_nodes(acc, shape)]
+
+
+def _tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
+    """(value, depth) of the nodes EAGLE-2's selection keeps.
 
     Node value = product of its ranks' acceptance along its path (what the drafter's cumulative score estimates).
     Each level expands the top_k best nodes of the previous level by top_k children; the total_tokens - 1 best
@@ -124,12 +148,25 @@ def tree_node_values(acc: Acceptance, shape: TreeSpec) -> list[float]:
     """
     k = shape.top_k
     level = [acc.rank(0, j) for j in range(k)]
-    nodes = list(level)
+    nodes = [(v, 1) for v in level]
     for d in range(1, shape.depth):
         frontier = sorted(level, reverse=True)[:k]
         level = [v * acc.rank(d, j) for v in frontier for j in range(k)]
-        nodes += level
-    return sorted(nodes, reverse=True)[: shape.total_tokens - 1]
+        nodes += [(v, d + 1) for v in level]
+    return sorted(nodes, key=lambda n: n[0], reverse=True)[: shape.total_tokens - 1]
+
+
+def hybrid_tau(acc: Acceptance, shape: HybridSpec) -> float:
+    """1 + sum_d P(the tree or the lookup reaches depth d), the two taken as independent.
+
+    At temperature 0 the tree reaches depth d with the summed value of its kept nodes there, and lookup with
+    ``acc.lookup[d-1]``; a round keeps whichever path the target accepts further.
+    """
+    tree = [0.0] * max(shape.tree.depth, shape.lookup.k)
+    for v, d in _tree_nodes(acc, shape.tree):
+        tree[d - 1] += v
+    look = [acc.lookup[d] if d < min(shape.lookup.k, len(acc.lookup)) else 0.0 for d in range(len(tree))]
+    return 1.0 + sum(1.0 - (1.0 - min(t, 1.0)) * (1.0 - x) for t, x in zip(tree, look, strict=True))
 
 
 def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
@@ -142,18 +179,36 @@ def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
             run *= acc.rank(d, 0)
             tau += run
         return tau
+    if isinstance(shape, HybridSpec):
+        return hybrid_tau(acc, shape)
     return 1.0 + sum(tree_node_values(acc, shape))
 
 
 def verified_tokens(shape: Shape) -> int:
-    return shape.k + 1 if isinstance(shape, ChainSpec) else shape.total_tokens
+    """Tokens in the largest verify pass (root incl.); a hybrid's lookup branch may share nodes with the tree."""
+    if isinstance(shape, ChainSpec):
+        return shape.k + 1
+    if isinstance(shape, HybridSpec):
+        return shape.tree.total_tokens + shape.lookup.k
+    return shape.total_tokens
+
+
+def expected_verify_time(cost: VerifyCost, shape: Shape, acc: Acceptance) -> float:
+    """Seconds of the verify pass; a hybrid carries its lookup branch only in rounds where lookup proposes."""
+    if isinstance(shape, ChainSpec):
+        return cost.t_verify(shape.k + 1)
+    if isinstance(shape, HybridSpec):
+        n = shape.tree.total_tokens
+        rate = acc.lookup_rate if acc.lookup else 0.0
+        return rate * cost.t_verify(n + shape.lookup.k, True) + (1 - rate) * cost.t_verify(n, True)
+    return cost.t_verify(shape.total_tokens, True)
 
 
 def expected_speedup(acceptance: Acceptance, shape: Shape | None, cost: VerifyCost) -> float:
     """tau(shape) * t_step / (t_verify(shape) + t_draft(shape)); plain decoding (None) is 1 by definition."""
     if shape is None:
         return 1.0
-    per_round = cost.t_verify(verified_tokens(shape), isinstance(shape, TreeSpec)) + cost.t_draft(shape)
+    per_round = expected_verify_time(cost, shape, acceptance) + cost.t_draft(shape)
     return expected_tau(acceptance, shape) * cost.t_step / per_round if per_round > 0 else 0.0
 
 
@@ -162,7 +217,18 @@ def shape_name(shape: Shape | None) -> str:
         return "plain"
     if isinstance(shape, ChainSpec):
         return f"chain {shape.k}"
+    if isinstance(shape, HybridSpec):
+        return f"hybrid {shape_name(shape.tree).removeprefix('tree ')}+lookup {shape.lookup.k}"
     return f"tree {shape.depth},{shape.top_k},{shape.total_tokens}"
+
+
+def tree_of(shape: Shape | None) -> TreeSpec | None:
+    """The draft tree a shape verifies (a hybrid's own tree), or None for a chain or plain decoding."""
+    return shape.tree if isinstance(shape, HybridSpec) else shape if isinstance(shape, TreeSpec) else None
+
+
+def draft_depth(shape: Shape) -> int:
+    return shape.k if isinstance(shape, ChainSpec) else tree_of(shape).depth
 
 
 @dataclass(frozen=True)
@@ -182,17 +248,18 @@ class Choice:
 def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[Shape] = DEFAULT_CANDIDATES,
                  max_top_k: int | None = None) -> Choice:
     """The argmax of ``expected_speedup`` over the candidates, or plain decoding when none exceeds 1."""
-    usable = [s for s in candidates if max_top_k is None or not isinstance(s, TreeSpec) or s.top_k <= max_top_k]
+    usable = [s for s in candidates if (max_top_k is None or tree_of(s) is None or tree_of(s).top_k <= max_top_k)
+              and (acceptance.lookup or not isinstance(s, HybridSpec))]  # no lookup measured: a hybrid is its tree
     table = {shape_name(s): expected_speedup(acceptance, s, cost) for s in usable}
     best = max(usable, key=lambda s: table[shape_name(s)], default=None)
     if best is None or table[shape_name(best)] <= 1.0:
         top = f"; best was {shape_name(best)} at {table[shape_name(best)]:.2f}x" if best is not None else ""
         return Choice(None, 1.0, f"no shape pays on this machine{top}", table)
     tau = expected_tau(acceptance, best)
-    v = cost.t_verify(verified_tokens(best), isinstance(best, TreeSpec)) / cost.t_step
+    v = expected_verify_time(cost, best, acceptance) / cost.t_step
     dr = cost.t_draft(best) / cost.t_step
     others = []
-    for kind in (ChainSpec, TreeSpec):
+    for kind in (ChainSpec, TreeSpec, HybridSpec):
         rivals = [s for s in usable if isinstance(s, kind) and s != best]
         if rivals and not isinstance(best, kind):
             r = max(rivals, key=lambda s: table[shape_name(s)])
@@ -322,13 +389,13 @@ def calibration_prompts(tokenizer, prompts: Sequence[str] = CALIBRATION_PROMPTS)
 
 @torch.no_grad()
 def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int]], depth: int = 6,
-                         top_k: int = 10, max_new_tokens: int = 48) -> Acceptance:
+                         top_k: int = 10, max_new_tokens: int = 96) -> Acceptance:
     """Per-depth, per-rank acceptance of the drafter on the target's own greedy continuations of ``prompts``.
 
     Each prompt is decoded (chain 3: the same tokens as plain greedy, faster), then the drafter is unrolled
     ``depth`` steps over the whole sequence the way training-time test unrolls it, which is what it computes
     when drafting token d after d-1 accepted ones. Rank j at depth d counts how often the target's token is
-    the drafter's (j+1)-th choice there.
+    the drafter's (j+1)-th choice there. Prompt lookup is replayed on the same text, position by position.
     """
     from draftsmith.data.chat import stop_token_ids
     from draftsmith.model.ttt import TTTBatch, ttt_forward
@@ -338,8 +405,10 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
     top_k = min(top_k, drafter.config.draft_vocab_size)
     hits = torch.zeros(depth, top_k)
     counts = torch.zeros(depth)
+    lookup = LookupReach()
     for prompt in prompts:
         gen = decoder.generate(list(prompt), max_new_tokens, eos_token_ids=stops).token_ids
+        lookup.add(list(prompt), gen)
         seq = torch.tensor([list(prompt) + gen], device=target.device)
         n, start = seq.shape[1], len(prompt) + 1  # predicted tokens: the target's, after its first
         out = target(seq)
@@ -359,7 +428,38 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
             counts[d] += cols.numel()
     # Rates conditional on the previous depths accepted: teacher forcing feeds the true tokens.
     ranks = tuple(tuple((hits[d] / counts[d]).tolist()) if counts[d] else () for d in range(depth))
-    return Acceptance(ranks, f"calibration on {len(prompts)} prompts")
+    return Acceptance(ranks, f"calibration on {len(prompts)} prompts", *lookup.result())
+
+
+@dataclass
+class LookupReach:
+    """Prompt lookup replayed on decoded text: at each emitted token, how many of the next ones it proposes right."""
+
+    depth: int = LOOKUP_DEPTH
+    positions: int = 0
+    proposed: int = 0
+    reach: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.reach = [0] * self.depth
+
+    def add(self, prompt: list[int], gen: list[int]) -> None:
+        """A round starts after each emitted token but the last: the context ends with it, the rest is ahead."""
+        seq, spec = prompt + gen, NgramSpec(self.depth)
+        for t in range(len(prompt), len(seq) - 1):
+            proposal = ngram_propose(seq[: t + 1], spec)
+            self.positions += 1
+            self.proposed += bool(proposal)
+            for d, tok in enumerate(proposal):
+                if t + 1 + d >= len(seq) or seq[t + 1 + d] != tok:
+                    break
+                self.reach[d] += 1
+
+    def result(self) -> tuple[tuple[float, ...], float]:
+        """(P(lookup's first d+1 tokens are right) for each d, P(it proposes anything))."""
+        if not self.positions:
+            return (), 0.0
+        return tuple(r / self.positions for r in self.reach), self.proposed / self.positions
 
 
 def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
@@ -404,10 +504,10 @@ def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, p
     weights = _weights_key(drafter_dir)
     key = {"target": target.fingerprint(), "dtype": str(target.dtype).removeprefix("torch."), "drafter": weights,
            "prompts": hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()[:16],
-           "calibrate": dict(sorted(calibrate.items()))}
+           "calibrate": dict(sorted(calibrate.items())), "lookup_depth": LOOKUP_DEPTH}
     hit = None if refresh or weights is None else cache_get("acceptance", key)
     if hit is not None:
-        return Acceptance(tuple(tuple(r) for r in hit["ranks"]), hit["source"] + ", cached"), True
+        return Acceptance.from_dict(hit, ", cached"), True
     acc = calibrate_acceptance(target, drafter, prompts, **calibrate)
     if weights is not None:
         cache_put("acceptance", key, acc.to_dict())
@@ -449,9 +549,10 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
                candidates: Sequence[Shape] = DEFAULT_CANDIDATES, prompts: Sequence[Sequence[int]] | None = None,
                reps: int = 5, calibrate: dict | None = None) -> tuple[Choice, VerifyCost, Acceptance]:
     """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json."""
-    max_depth = max((c.k if isinstance(c, ChainSpec) else c.depth) for c in candidates)
-    max_k = max((c.top_k for c in candidates if isinstance(c, TreeSpec)), default=1)
-    widths = sorted({1, *(c.top_k for c in candidates if isinstance(c, TreeSpec))})
+    max_depth = max(draft_depth(c) for c in candidates)
+    trees = [tree_of(c) for c in candidates if tree_of(c) is not None]
+    max_k = max((t.top_k for t in trees), default=1)
+    widths = sorted({1, *(t.top_k for t in trees)})
     top = max(verified_tokens(c) for c in candidates)
     ks = [k for k in DEFAULT_KS if k < top] + [top]  # the rest is interpolated
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
