@@ -37,8 +37,9 @@ DEFAULT_CANDIDATES: tuple[Shape, ...] = (
     *(ChainSpec(k) for k in range(1, 9)), *TREES, *(HybridSpec(t, NgramSpec(3)) for t in TREES))
 #: How far calibration follows prompt lookup's proposals (longer ones are cut to this).
 LOOKUP_DEPTH = 8
-#: Verified tokens (root incl.) at which the verify curve is measured; others are interpolated.
-DEFAULT_KS = (1, 2, 4, 8, 16, 32, 64)
+#: Verified tokens (root incl.) at which the verify curve is measured; others are interpolated. Dense where
+#: the candidates sit: packed GEMMs change kernels between sizes, so the curve is not smooth there.
+DEFAULT_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 CALIBRATION_PROMPTS = (
     "Explain how a hash table works and when you would use one.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
