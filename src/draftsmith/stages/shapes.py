@@ -134,13 +134,9 @@ class Acceptance:
                    float(d.get("lookup_rate", 0.0)))
 
 
-def tree_node_values(acc: Acceptance, shape: TreeSpec) -> list[float]:
-    """EAGLE-2's selection replayed on expected values: the kept nodes' probabilities of lying on the target's path."""
-    return [v for v, _ in _tree_nodes(acc, shape)]
-
-
-def _tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
-    """(value, depth) of the nodes EAGLE-2's selection keeps.
+def tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
+    """EAGLE-2's selection replayed on expected values: (value, depth) of the kept nodes, where a node's value is
+    its probability of lying on the target's path.
 
     Node value = product of its ranks' acceptance along its path (what the drafter's cumulative score estimates).
     Each level expands the top_k best nodes of the previous level by top_k children; the total_tokens - 1 best
@@ -164,7 +160,7 @@ def hybrid_tau(acc: Acceptance, shape: HybridSpec) -> float:
     ``acc.lookup[d-1]``; a round keeps whichever path the target accepts further.
     """
     tree = [0.0] * max(shape.tree.depth, shape.lookup.k)
-    for v, d in _tree_nodes(acc, shape.tree):
+    for v, d in tree_nodes(acc, shape.tree):
         tree[d - 1] += v
     look = [acc.lookup[d] if d < min(shape.lookup.k, len(acc.lookup)) else 0.0 for d in range(len(tree))]
     return 1.0 + sum(1.0 - (1.0 - min(t, 1.0)) * (1.0 - x) for t, x in zip(tree, look, strict=True))
@@ -182,7 +178,7 @@ def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
         return tau
     if isinstance(shape, HybridSpec):
         return hybrid_tau(acc, shape)
-    return 1.0 + sum(tree_node_values(acc, shape))
+    return 1.0 + sum(v for v, _ in tree_nodes(acc, shape))
 
 
 def verified_tokens(shape: Shape) -> int:
@@ -196,13 +192,11 @@ def verified_tokens(shape: Shape) -> int:
 
 def expected_verify_time(cost: VerifyCost, shape: Shape, acc: Acceptance) -> float:
     """Seconds of the verify pass; a hybrid carries its lookup branch only in rounds where lookup proposes."""
-    if isinstance(shape, ChainSpec):
-        return cost.t_verify(shape.k + 1)
     if isinstance(shape, HybridSpec):
-        n = shape.tree.total_tokens
         rate = acc.lookup_rate if acc.lookup else 0.0
-        return rate * cost.t_verify(n + shape.lookup.k, True) + (1 - rate) * cost.t_verify(n, True)
-    return cost.t_verify(shape.total_tokens, True)
+        return (rate * cost.t_verify(verified_tokens(shape), True)
+                + (1 - rate) * cost.t_verify(verified_tokens(shape.tree), True))
+    return cost.t_verify(verified_tokens(shape), isinstance(shape, TreeSpec))
 
 
 def expected_speedup(acceptance: Acceptance, shape: Shape | None, cost: VerifyCost) -> float:

@@ -261,7 +261,7 @@ def read_conversations(config: CaptureConfig):
 
 
 def _count_records(path: Path, limit: int | None) -> int:
-    if path.suffix == ".json":  # an array: counting would parse it twice; the limit bounds the bar
+    if path.suffix == ".json":  # an array has no lines to count: the limit is the total, else one parsing pass
         return limit if limit is not None else sum(1 for _ in read_records(path))
     opener = gzip.open if path.suffix == ".gz" else open
     n = 0
