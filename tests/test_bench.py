@@ -127,3 +127,23 @@ def test_bench_shape_auto_hybrid_comes_with_its_tree(bench_dirs, capsys, tmp_pat
     methods = report["results"][0]["methods"]
     assert list(methods) == ["plain", "eagle3 chain k=2", "eagle3 tree 2,4,6", chosen, "prompt lookup k=3"]
     assert all(m["identical_to_plain"] == "1/1" for name, m in methods.items() if name != "plain")
+
+
+def test_bench_readme_fills_its_own_section_and_a_missing_one_fails_first(bench_dirs, capsys, tmp_path):
+    from draftsmith.cli import main
+
+    readme = tmp_path / "README.md"
+    other = "<!-- bench:start -->\nthe other machine's table\n<!-- bench:end -->\n"
+    readme.write_text(f"# x\n{other}\n<!-- bench-amx:start -->\nold\n<!-- bench-amx:end -->\ntail\n")
+    argv = ["bench", "--target", str(bench_dirs / "model"), "--drafter", str(bench_dirs / "drafter"),
+            "--datasets", str(bench_dirs / "one.jsonl"), "--max-new-tokens", "4", "--dtype", "float32",
+            "--chain", "2", "--prompt-lookup", "0", "--no-progress", "--readme", str(readme)]
+    code = main([*argv, "--readme-section", "nowhere", "--out", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert code == 2 and "has no <!-- nowhere:start -->" in err and not (tmp_path / "none").exists()
+    assert main([*argv, "--readme-section", "bench-amx", "--out", str(tmp_path / "b")]) == 0
+    text = readme.read_text()
+    assert other in text and text.endswith("<!-- bench-amx:end -->\ntail\n") and "old" not in text
+    table = text.split("<!-- bench-amx:start -->")[1]
+    assert "| eagle3 chain k=2 |" in table and "linears)" in table and "AMX" in table
+    assert "--readme-section bench-amx" in table  # the command that wrote it

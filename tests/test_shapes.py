@@ -175,7 +175,7 @@ def test_cli_shape_auto_chooses_the_dtype_and_measures_once(model_dir, capsys, t
     report, err = _decode(capsys, model_dir, "--random-drafter", "--shape", "auto")
     assert "a step takes" in err and "ms in float32" in err and "ms in bfloat16" in err
     files = sorted(p.name.split("-")[0] for p in (tmp_path / "shapes").iterdir())
-    assert files == ["dtype", "verify"]  # a random drafter has no files to key its acceptance by
+    assert files == ["step", "step", "verify"]  # a step time per dtype; a random drafter keys no acceptance
     stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "shapes").iterdir()}
     _decode(capsys, model_dir, "--random-drafter", "--shape", "auto")
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "shapes").iterdir()} == stamp  # read, not re-measured

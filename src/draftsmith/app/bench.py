@@ -187,7 +187,8 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
     warm = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     for d in decoders.values():
         d.generate(tok(warm, add_special_tokens=False)["input_ids"], 4, eos_token_ids=stops)
-    report = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "machine": machine_info(),
+    report = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "packed": target.packed,
+              "machine": machine_info(),
               "max_new_tokens": max_new_tokens, "results": [], **({"leaked_prompts": leaked} if leaked else {})}
     for dataset in datasets:
         prompts = prompt_sets[dataset]
@@ -265,9 +266,26 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
+    from draftsmith.core.machine import machine_key
+
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": sys.version.split()[0],
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "flags": machine_key("cpu")["flags"]}
+
+
+def machine_line(info: dict) -> str:
+    """'Intel Xeon, 2 cores (AMX, avx512_bf16), 2 torch threads, torch 2.13.0': AMX or not decides the numbers."""
+    flags = info.get("flags")
+    kind = "" if flags is None else (" (AMX" if "amx_bf16" in flags else " (no AMX") + (
+        ", avx512_bf16)" if "avx512_bf16" in flags else ", no avx512_bf16)")
+    return (f"{info['cpu']}, {info['cores']} cores{kind}, {info['torch_threads']} torch threads, "
+            f"torch {info['torch']}")
+
+
+def _target_line(report: dict, quote: str = "") -> str:
+    packed = {True: ", prepacked linears", False: ", plain linears"}.get(report.get("packed"), "")
+    return f"{quote}{report['target']}{quote} ({report.get('dtype', '?')}{packed})"
 
 
 def _bar(enabled: bool, total: int, desc: str):
@@ -293,8 +311,7 @@ def format_table(report: dict) -> str:
                          f"{m['tokens_per_second']:>7.1f}{m['speedup']:>7.2f}x{bound:>7}  {split:<27}"
                          f"{_same(m):>10}  {per}")
     info = report["machine"]
-    lines.append(f"target {report['target']} ({report.get('dtype', '?')}); machine: {info['cpu']}, {info['cores']} "
-                 f"cores, {info['torch_threads']} torch threads, torch {info['torch']}; "
+    lines.append(f"target {_target_line(report)}; machine: {machine_line(info)}; "
                  f"max_new_tokens={report['max_new_tokens']}")
     lines.append("same: greedy first-turn outputs equal to plain decoding's; (tie): of the others, how many first "
                  "differ where the target's two candidate logits are within 2 ulp (a rounding tie in its dtype)")
@@ -361,7 +378,7 @@ def write_report(report: dict, out: Path) -> dict[str, Path]:
     return paths
 
 
-README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
 
 
 def markdown_table(report: dict, command: str | None = None) -> str:
@@ -376,9 +393,8 @@ def markdown_table(report: dict, command: str | None = None) -> str:
                         f"{m['acceptance_length']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x | "
                         f"{bound} | {_same(m)} |")
     rows.append("")
-    rows.append(f"Target `{report['target']}` ({report.get('dtype', '?')}), max {report['max_new_tokens']} new tokens; "
-                f"machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch threads, "
-                f"torch {info['torch']}. Bound: tau x plain step time / (verify + draft time per round). "
+    rows.append(f"Target {_target_line(report, '`')}, max {report['max_new_tokens']} new tokens; "
+                f"machine: {machine_line(info)}. Bound: tau x plain step time / (verify + draft time per round). "
                 f"Same as plain: greedy outputs identical to plain decoding's; (tie): of the others, those whose "
                 f"first difference is a rounding tie of the target's top two logits "
                 f"(within 2 ulp in {report.get('dtype', '?')}).")
@@ -387,13 +403,27 @@ def markdown_table(report: dict, command: str | None = None) -> str:
     return "\n".join(rows)
 
 
-def update_readme(readme: Path, report: dict, command: str | None = None) -> None:
-    """Replace the text between the bench markers of a README with the report's table."""
-    readme = Path(readme)
-    text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        raise ValueError(f"{readme} has no {README_START} ... {README_END} section to fill")
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_START}\n{markdown_table(report, command)}\n{README_END}{tail}")
+def readme_markers(section: str = "bench") -> tuple[str, str]:
+    """The comments that bound a README section that bench fills (one section per machine kind, say)."""
+    return f"<!-- {section}:start -->", f"<!-- {section}:end -->"
 
+
+def check_readme(readme: Path, section: str = "bench") -> None:
+    """Before a bench of minutes: the README must have the section its table will fill."""
+    start, end = readme_markers(section)
+    try:
+        text = Path(readme).read_text()
+    except OSError as e:
+        raise UsageError(f"--readme {readme}: {e.strerror or e}") from e
+    if start not in text or end not in text:
+        raise UsageError(f"{readme} has no {start} ... {end} section to fill")
+
+
+def update_readme(readme: Path, report: dict, command: str | None = None, section: str = "bench") -> None:
+    """Replace the text between the section's markers of a README with the report's table."""
+    check_readme(readme, section)
+    start, end = readme_markers(section)
+    readme = Path(readme)
+    head, rest = readme.read_text().split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{markdown_table(report, command)}\n{end}{tail}")

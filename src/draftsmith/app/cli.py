@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from draftsmith import __version__
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json, bench.txt, bench.png")
     p.add_argument("--readme", default=None, help="also write the table into this README's bench section")
+    p.add_argument("--readme-section", default="bench", metavar="NAME",
+                   help="the README section between <!-- NAME:start --> and <!-- NAME:end --> (default bench)")
     p.add_argument("--train-conversations", action="append", default=[], metavar="FILE",
                    help="the drafter's training conversations: warn about measured prompts found in them")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return stages.train(args)
         if args.command == "bench":
-            return _bench(args)
+            return _bench(args, sys.argv[1:] if argv is None else argv)
         if args.command == "demo":
             from draftsmith.app.demo import run_demo
 
@@ -128,11 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _bench(args) -> int:
-    from draftsmith.app.bench import check_bench_args, format_table, run_bench, update_readme, write_report
+def _bench(args, argv: list[str]) -> int:
+    """``argv``: the command line as given, which the README table quotes."""
+    from draftsmith.app.bench import (
+        check_bench_args,
+        check_readme,
+        format_table,
+        run_bench,
+        update_readme,
+        write_report,
+    )
     from draftsmith.model.drafter import load_drafter
     from draftsmith.stages.decode import ChainSpec, HybridSpec, TreeSpec
-    from draftsmith.stages.shapes import load_target_for, print_choice
+    from draftsmith.stages.shapes import print_choice
+    from draftsmith.stages.step_config import load_target_for
 
     try:
         temperatures = [float(t) for t in args.temperature.split(",")]
@@ -145,6 +157,8 @@ def _bench(args) -> int:
         raise UsageError(f"--prompt-lookup must be >= 0 (0 skips it), got {args.prompt_lookup}")
     check_bench_args([d for d in args.datasets.split(",") if d], temperatures, limit=args.limit, turns=args.turns,
                      max_new_tokens=args.max_new_tokens, prompt_lookup_k=args.prompt_lookup or None)
+    if args.readme:
+        check_readme(args.readme, args.readme_section)
     fixed = args.chain is not None or not (args.tree or args.shape)
     specs = [ChainSpec(args.chain if args.chain is not None else 3)] if fixed else []
     if args.tree:
@@ -165,7 +179,7 @@ def _bench(args) -> int:
     report.update({"auto_shape": choice.to_dict()} if choice else {})
     paths = write_report(report, args.out)
     if args.readme:
-        update_readme(args.readme, report, "draftsmith " + " ".join(sys.argv[1:]))
+        update_readme(args.readme, report, "draftsmith " + shlex.join(argv), args.readme_section)
     print(format_table(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0
@@ -190,7 +204,8 @@ def _decode(args) -> int:
 
     from draftsmith.model.drafter import load_drafter, new_drafter
     from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
-    from draftsmith.stages.shapes import load_target_for, print_choice
+    from draftsmith.stages.shapes import print_choice
+    from draftsmith.stages.step_config import load_target_for
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

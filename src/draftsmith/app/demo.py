@@ -85,7 +85,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     from draftsmith.stages.export import export_drafter
     from draftsmith.stages.generate.config import GenerateConfig
     from draftsmith.stages.generate.run import generate
-    from draftsmith.stages.shapes import choose_dtype
+    from draftsmith.stages.step_config import choose_dtype
     from draftsmith.stages.train.config import load_config
     from draftsmith.stages.train.run import train
 

@@ -351,6 +351,12 @@ class Target:
 
         return unpack_linears(self.model)
 
+    @property
+    def packed(self) -> bool:
+        from draftsmith.model.packing import PackedLinear
+
+        return any(isinstance(m, PackedLinear) for m in self.model.modules())
+
     @torch.no_grad()
     def compute_logits(self, hidden_state: torch.Tensor) -> torch.Tensor:
         """Teacher logits from a stored final hidden state (applies Gemma-style soft-capping too)."""
@@ -444,9 +450,14 @@ def load_target(
     except (OSError, ValueError):
         tokenizer = None
     target = Target(model, tokenizer, aux_layers=aux_layers, name=str(path))
-    if pack if pack is not None else os.environ.get("DRAFTSMITH_PACK", "1").strip() != "0":
+    if pack if pack is not None else packing_wanted():
         target.pack()
     return target
+
+
+def packing_wanted() -> bool:
+    """Whether the user allows prepacked linears (``DRAFTSMITH_PACK=0`` turns them off everywhere)."""
+    return os.environ.get("DRAFTSMITH_PACK", "1").strip() != "0"
 
 
 # Model types transformers does not register but whose weights are another architecture's (as vLLM maps them).

@@ -1,4 +1,4 @@
-"""Hardware-aware drafting: pick the draft shape (and dtype) that pays most on this machine for this target.
+"""Hardware-aware drafting: pick the draft shape that pays most on this machine for this target.
 
 A shape pays ``tau(shape) * t_step / (t_verify(n) + t_draft(shape))``: tokens per round over the cost of a
 round, in units of a plain 1-token step. The verify curve ``t_verify(n)`` and the drafter step costs are
@@ -468,14 +468,14 @@ def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
 
 
 # --- caching ----------------------------------------------------------------------------------------------
-def _target_key(target: Target) -> dict:
+def target_key(target: Target) -> dict:
     return {"machine": machine_key(target.device), "target": target.fingerprint(),
-            "dtype": str(target.dtype).removeprefix("torch.")}
+            "dtype": str(target.dtype).removeprefix("torch."), "packed": target.packed}
 
 
 def cached_verify_cost(target: Target, drafter=None, refresh: bool = False, **measure) -> tuple[VerifyCost, bool]:
     """(cost, whether it came from the cache). Keyed by machine, target fingerprint, dtype, drafter shape."""
-    key = {**_target_key(target), "drafter": drafter.config.shape_key() if drafter is not None else None,
+    key = {**target_key(target), "drafter": drafter.config.shape_key() if drafter is not None else None,
            "measure": {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(measure.items())}}
     hit = None if refresh else cache_get("verify-cost", key)
     if hit is not None:
@@ -510,36 +510,6 @@ def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, p
 
 
 # --- the whole decision ------------------------------------------------------------------------------------
-def choose_dtype(load: Callable[[torch.dtype], Target], device: str = "cpu",
-                 log: Callable[[str], None] | None = None) -> tuple[Target, str]:
-    """Load the target in whichever of float32 / bfloat16 runs a 1-token step faster here (CPU).
-
-    The step times are cached per machine and target, so later runs load the winner directly.
-    """
-    log = log or _stderr
-    if torch.device(device).type != "cpu":
-        return load(torch.bfloat16), "dtype bfloat16 (accelerator default)"
-    target = load(torch.float32)
-    key = _target_key(target)
-    key.pop("dtype")
-    hit = cache_get("dtype-step", key)
-    if hit is None:
-        f32 = step_time(target)
-        target.model.to(torch.bfloat16)
-        bf16 = step_time(target)
-        hit = {"float32": f32, "bfloat16": bf16}
-        cache_put("dtype-step", key, hit)
-    pick = "bfloat16" if hit["bfloat16"] < hit["float32"] else "float32"
-    if pick == "float32" and target.dtype != torch.float32:
-        target = load(torch.float32)  # casting back would keep bf16's rounding
-    elif pick == "bfloat16":
-        target.model.to(torch.bfloat16)
-    note = (f"dtype {pick}: a step takes {1e3 * hit['float32']:.1f} ms in float32, "
-            f"{1e3 * hit['bfloat16']:.1f} ms in bfloat16")
-    log(note)
-    return target, note
-
-
 def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
                candidates: Sequence[Shape] = DEFAULT_CANDIDATES, prompts: Sequence[Sequence[int]] | None = None,
                reps: int = 5, calibrate: dict | None = None) -> tuple[Choice, VerifyCost, Acceptance]:
@@ -561,19 +531,6 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
         acc = acceptance_from_eval(drafter_dir)
     acc = acc or Acceptance((), "none")
     return choose_shape(acc, cost, candidates, max_top_k=drafter.config.draft_vocab_size), cost, acc
-
-
-def load_target_for(path: str, device: str = "cpu", dtype: str | None = None, aux_layers=None,
-                    auto: bool | str | None = False) -> tuple[Target, str]:
-    """(target, a note on its dtype): in ``dtype``; with ``auto`` and no dtype, in the one that steps faster."""
-    from draftsmith.model.target import load_target
-
-    def load(dt):
-        return load_target(path, device=device, dtype=dt, aux_layers=aux_layers)
-
-    if auto and not dtype:
-        return choose_dtype(load, device, log=lambda line: None)
-    return load(getattr(torch, dtype) if dtype else None), ""
 
 
 def print_choice(target: Target, drafter, drafter_dir: str | Path | None, dtype_note: str = "") -> Choice:

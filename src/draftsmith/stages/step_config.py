@@ -1,0 +1,110 @@
+"""How the target runs on this machine: its dtype and whether its linears are prepacked, both by measurement.
+
+Neither answer is the same on every CPU. bfloat16 steps faster than float32 where the CPU has bf16 dot
+products (avx512_bf16, AMX) and slower where it emulates them. oneDNN-prepacked linears (model/packing.py)
+make the step and the k-token verify pass cheaper on some CPUs and the 1-token step slower on others, in
+some dtypes (README, Performance). So each is timed on a 1-token step, the unit plain decoding repeats and
+every speedup is measured against, and the faster kept; the verify curve is then measured on what was kept.
+Times are cached per machine, target and dtype (core/machine.py), so later runs only read them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+from draftsmith.core.machine import cache_get, cache_put
+from draftsmith.model.packing import packing_available
+from draftsmith.model.target import Target, packing_wanted
+from draftsmith.stages.shapes import step_time, target_key
+
+PACKABLE = (torch.float32, torch.bfloat16)
+
+
+def can_pack(target: Target) -> bool:
+    return (target.device.type == "cpu" and target.dtype in PACKABLE and packing_wanted()
+            and packing_available())
+
+
+def step_times(target: Target) -> dict[str, float]:
+    """Seconds of a 1-token step here: {"plain": s} and, where packing applies, {"packed": s}. Cached.
+
+    Leaves the target packed or plain as it came in.
+    """
+    key = {**target_key(target), "packed": None}
+    hit = cache_get("step-time", key)
+    if hit is not None and "plain" in hit and ("packed" in hit or not can_pack(target)):
+        return hit
+    was_packed = target.packed
+    times = {}
+    if can_pack(target):
+        target.pack()
+        times["packed"] = step_time(target)
+    target.unpack()
+    times["plain"] = step_time(target)
+    if was_packed:
+        target.pack()
+    cache_put("step-time", key, times)
+    return times
+
+
+def apply_packing(target: Target, times: dict[str, float]) -> bool:
+    """Pack the linears if that steps faster (ties go to packing: it also cheapens multi-token passes)."""
+    packed = "packed" in times and times["packed"] <= times["plain"]
+    if packed:
+        target.pack()
+    else:
+        target.unpack()
+    return packed
+
+
+def choose_packing(target: Target) -> str:
+    """Keep the target packed only where that makes its step faster here; a note saying what was kept."""
+    if not can_pack(target):
+        return ""
+    times = step_times(target)
+    packed = apply_packing(target, times)
+    return (f"linears {'prepacked' if packed else 'plain'}: a step takes {1e3 * times['packed']:.1f} ms packed, "
+            f"{1e3 * times['plain']:.1f} ms plain")
+
+
+def choose_dtype(load: Callable[[torch.dtype], Target], device: str = "cpu",
+                 log: Callable[[str], None] | None = None) -> tuple[Target, str]:
+    """Load the target in whichever of float32 / bfloat16, packed or plain, runs a 1-token step fastest (CPU)."""
+    log = log or _stderr
+    if torch.device(device).type != "cpu":
+        return load(torch.bfloat16), "dtype bfloat16 (accelerator default)"
+    target = load(torch.float32)
+    times = {"float32": step_times(target)}
+    target.model.to(torch.bfloat16)  # prepacked copies follow the weights' dtype (model/packing.py)
+    times["bfloat16"] = step_times(target)
+    pick = min(times, key=lambda name: min(times[name].values()))
+    if pick == "float32":
+        target = load(torch.float32)  # casting back would keep bf16's rounding
+    packed = apply_packing(target, times[pick])
+    parts = [f"{1e3 * t['plain']:.1f} ms in {name}" + (f" ({1e3 * t['packed']:.1f} packed)" if "packed" in t else "")
+             for name, t in times.items()]
+    note = f"dtype {pick}{', prepacked linears' if packed else ''}: a step takes {', '.join(parts)}"
+    log(note)
+    return target, note
+
+
+def load_target_for(path: str, device: str = "cpu", dtype: str | None = None, aux_layers=None,
+                    auto: bool | str | None = False) -> tuple[Target, str]:
+    """(target, a note on how it runs): in ``dtype`` (with auto and no dtype, the fastest one), packed or plain
+    by measurement."""
+    from draftsmith.model.target import load_target
+
+    def load(dt):
+        return load_target(path, device=device, dtype=dt, aux_layers=aux_layers)
+
+    if auto and not dtype:
+        return choose_dtype(load, device, log=lambda line: None)
+    target = load(getattr(torch, dtype) if dtype else None)
+    return target, choose_packing(target)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
