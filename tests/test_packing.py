@@ -204,3 +204,25 @@ def test_casting_a_packed_model_repacks_in_the_new_dtype():
     target.unpack()
     for a, b in zip(got, tree_pass(target), strict=True):
         assert_same_logits(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drafter_loaded_for_a_packed_target_is_packed_and_drafts_the_same(tmp_path, dtype):
+    from draftsmith.model.drafter import KVCache, load_drafter
+
+    target = Target(build_tiny_model("llama", seed=0, dtype=dtype, num_hidden_layers=LAYERS))
+    new_drafter(target).save(tmp_path / "d")
+    plain = load_drafter(tmp_path / "d", target)
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    target.pack()
+    packed = load_drafter(tmp_path / "d", target)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    ids = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        feats = target(ids, cache=target.new_cache()).aux_hidden_states
+        outs = [d.logits(d(d.fuse(feats)[:, :-1], ids[:, 1:], torch.arange(11)[None], KVCache()))
+                for d in (plain, packed)]
+    if dtype == torch.bfloat16:
+        assert torch.equal(outs[0], outs[1])
+    else:
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -460,6 +460,13 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
         drafter.bind_embeddings(target.embed_tokens)
         device = device or target.device
         dtype = dtype or target.dtype
-    return drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+    drafter = drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+    if target is not None and getattr(target, "packed", False):
+        # Packed where the target is: that was measured to step faster here (stages/step_config.py), and a
+        # drafter step is the same kind of few-row GEMM. Training's autograd calls run the plain F.linear.
+        from draftsmith.model.packing import pack_linears
+
+        pack_linears(drafter)
+    return drafter
 
 
