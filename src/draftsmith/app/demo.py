@@ -60,11 +60,12 @@ PRESETS = {
     # unrolls two steps; the bench decodes as far as the answers the drafter learned from.
     "default": Preset("smollm2", 400, 224, 64, 32, 4096, 800, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 4, 6),
                       data="sharegpt", max_turns=1, max_length=1024),
-    # More data (whole conversations), longer training, five-deep drafting. Hours on 2 CPU cores, within 3 even
-    # on one without AMX: 1,000 whole conversations are ~1.5M tokens, two epochs of 1,500 steps x 2,048 (more
-    # would be captured and never trained on), and 20 prompts a set keep the bench under an hour there.
+    # More data (whole conversations cut at 1,024 tokens), longer training, five-deep drafting. Hours on 2 CPU
+    # cores, within 3 even on one without AMX (README, "The full preset"): training-time test's attention grows
+    # with the square of the length, so 2,048-token samples trained at about half the tokens/s; 20 prompts a
+    # set keep the bench (every method decodes every prompt) under an hour there.
     "full": Preset("smollm2", 1000, 256, 64, 32, 8192, 1500, 5, 2048, 1e-3, ("mt-bench", "humaneval"), 20, 256, 5,
-                   (4, 6, 16), data="sharegpt", max_turns=None, max_length=2048),
+                   (4, 6, 16), data="sharegpt", max_turns=None, max_length=1024),
 }
 
 
@@ -145,6 +146,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     run_dir = work / "run"
     cfg = load_config(None, dict(target=target_path, store=str(work / "store"), out=str(run_dir),
                                  max_steps=p.max_steps, ttt_steps=p.ttt_steps, batch_tokens=p.batch_tokens,
+                                 max_length=p.max_length,
                                  lr=p.lr, eval_every=max(10, p.max_steps // 5), save_every=max(10, p.max_steps // 5),
                                  warmup_steps=max(2, p.max_steps // 20), progress=progress))
     if (run_dir / "final" / "model.safetensors").is_file():
