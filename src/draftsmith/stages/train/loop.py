@@ -37,9 +37,21 @@ def dist_info() -> tuple[int, int]:
     return 0, 1
 
 
-def setup_distributed(device: str) -> None:
+def setup_distributed(device: str) -> bool:
+    """Join torchrun's process group; True when this call created it (so the caller tears it down)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        return True
+    return False
+
+
+def teardown_distributed(ok: bool) -> None:
+    """Leave the process group before exit: a gloo group left to the interpreter's teardown can abort a rank
+    ("terminate called without an active exception") after training has finished. The barrier (only after a
+    run that finished) keeps rank 0's final saves inside the run for every rank."""
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 class Teacher:

@@ -24,7 +24,14 @@ from draftsmith.stages.train.checkpoints import load_checkpoint, save_drafter_at
 from draftsmith.stages.train.config import TrainConfig, TrainError, config_hash
 from draftsmith.stages.train.data import OnlineSource, StoreSource, first_samples, make_batches, split_eval
 from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
-from draftsmith.stages.train.loop import Run, Teacher, dist_info, setup_distributed, train_loop
+from draftsmith.stages.train.loop import (
+    Run,
+    Teacher,
+    dist_info,
+    setup_distributed,
+    teardown_distributed,
+    train_loop,
+)
 from draftsmith.stages.train.precision import choose_autocast, measure_autocast
 
 LOCK_NAME = ".train.lock"
@@ -39,15 +46,22 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    setup_distributed(cfg.device)
+    owns_group = setup_distributed(cfg.device)
     rank, world = dist_info()
     out = Path(cfg.out)
-    lock = _lock_out(out, rank)
+    ok = False
     try:
-        return _train(cfg, rank, world, out)
+        lock = _lock_out(out, rank)
+        try:
+            result = _train(cfg, rank, world, out)
+            ok = True
+            return result
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
-        if lock is not None:
-            lock.release()
+        if owns_group:
+            teardown_distributed(ok)
 
 
 def _lock_out(out: Path, rank: int):
