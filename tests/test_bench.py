@@ -109,7 +109,8 @@ def test_bench_shape_auto_hybrid_comes_with_its_tree(bench_dirs, capsys, tmp_pat
 
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path / "home"))
     # A weak drafter and a strong lookup, on a nearly flat verify curve: the hybrid 2,4,6 is the argmax (a chain
-    # or tree wins for a strong drafter); the curve is given, since a measured one moves with machine load.
+    # or tree wins for a strong drafter), with lookup 10: lookup reaches 8 deep here, so 16 only costs more.
+    # The curve is given, since a measured one moves with machine load.
     good = shapes.Acceptance(((0.3, 0.2, 0.1, 0.1),) * 8, "test", lookup=(0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1),
                              lookup_rate=1.0)
     monkeypatch.setattr(shapes, "calibrate_acceptance", lambda *a, **k: good)
@@ -123,7 +124,7 @@ def test_bench_shape_auto_hybrid_comes_with_its_tree(bench_dirs, capsys, tmp_pat
     assert code == 0, err
     report = json.loads((tmp_path / "b" / "bench.json").read_text())
     chosen = report["auto_shape"]["shape"]
-    assert chosen == "hybrid 2,4,6+lookup 3" and f"shape: {chosen} (expected" in err
+    assert chosen == "hybrid 2,4,6+lookup 10" and f"shape: {chosen} (expected" in err
     methods = report["results"][0]["methods"]
     assert list(methods) == ["plain", "eagle3 chain k=2", "eagle3 tree 2,4,6", chosen, "prompt lookup k=3"]
     assert all(m["identical_to_plain"] == "1/1" for name, m in methods.items() if name != "plain")
@@ -147,3 +148,18 @@ def test_bench_readme_fills_its_own_section_and_a_missing_one_fails_first(bench_
     table = text.split("<!-- bench-amx:start -->")[1]
     assert "| eagle3 chain k=2 |" in table and "linears)" in table and "AMX" in table
     assert "--readme-section bench-amx" in table  # the command that wrote it
+
+
+def test_bench_measures_prompt_lookup_at_each_length_given(bench_dirs, capsys, tmp_path):
+    """`--prompt-lookup 2,5`: the free baseline at both lengths, each lossless; the hybrid takes the first."""
+    from draftsmith.cli import main
+
+    code = main(["bench", "--target", str(bench_dirs / "model"), "--drafter", str(bench_dirs / "drafter"),
+                 "--datasets", str(bench_dirs / "one.jsonl"), "--max-new-tokens", "8", "--dtype", "float32",
+                 "--tree", "2,2,3", "--hybrid", "--prompt-lookup", "2,5", "--out", str(tmp_path / "b"),
+                 "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    methods = json.loads((tmp_path / "b" / "bench.json").read_text())["results"][0]["methods"]
+    assert list(methods) == ["plain", "eagle3 tree 2,2,3", "hybrid 2,2,3+lookup 2", "prompt lookup k=2",
+                             "prompt lookup k=5"]
+    assert all(m["identical_to_plain"] == "1/1" for name, m in methods.items() if name != "plain")

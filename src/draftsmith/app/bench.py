@@ -131,15 +131,15 @@ def spec_name(spec) -> str:
 
 def check_bench_args(datasets: Sequence[str], temperatures: Sequence[float], limit: int | None = None,
                      turns: int | None = None, max_new_tokens: int = 128,
-                     prompt_lookup_k: int | None = 3) -> dict[str, list[BenchPrompt]]:
+                     prompt_lookup_ks: Sequence[int] = (3,)) -> dict[str, list[BenchPrompt]]:
     """Validate a bench run before anything is decoded; returns each dataset's prompts (none may be empty)."""
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for name, value in (("limit", limit), ("turns", turns)):
         if value is not None and value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
-    if prompt_lookup_k:
-        NgramSpec(prompt_lookup_k)  # raises for a bad K
+    for k in prompt_lookup_ks:
+        NgramSpec(k)  # raises for a bad K
     if not datasets:
         raise UsageError("no dataset to bench on")
     if not temperatures:
@@ -168,19 +168,18 @@ def warn_leaks(prompt_sets: dict[str, list[BenchPrompt]], conversations: Sequenc
 
 def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, temperatures: Sequence[float] = (0.0,),
               limit: int | None = None, turns: int | None = None, max_new_tokens: int = 128,
-              prompt_lookup_k: int | None = 3, seed: int = 0, progress: bool = True,
+              prompt_lookup_ks: Sequence[int] = (3,), seed: int = 0, progress: bool = True,
               train_conversations: Sequence[str | Path] = ()) -> dict:
     """The whole measurement; returns a JSON-able report (see ``format_table``).
 
     Raises UsageError before decoding anything for bad arguments or a prompt set with no usable prompt.
     """
-    prompt_sets = check_bench_args(datasets, temperatures, limit, turns, max_new_tokens, prompt_lookup_k)
+    prompt_sets = check_bench_args(datasets, temperatures, limit, turns, max_new_tokens, prompt_lookup_ks)
     leaked = warn_leaks(prompt_sets, train_conversations)
     tok = target.tokenizer
     stops = stop_token_ids(tok)
     methods = [("plain", None)] + [(spec_name(s), s) for s in specs]
-    if prompt_lookup_k:
-        methods.append((spec_name(NgramSpec(prompt_lookup_k)), NgramSpec(prompt_lookup_k)))
+    methods += [(spec_name(NgramSpec(k)), NgramSpec(k)) for k in dict.fromkeys(prompt_lookup_ks)]
     decoders = {name: SpeculativeDecoder(target, None if s is None or isinstance(s, NgramSpec) else drafter, s)
                 for name, s in methods}
     # Warm-up so first-call costs do not land on one method.

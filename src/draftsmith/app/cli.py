@@ -68,10 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=["auto"], default=None, help="auto: also the shape `decode --shape auto` picks "
                    "(see there; a hybrid comes with its bare tree); with no --dtype, in fp32 or bf16, whichever "
                    "steps faster here")
-    p.add_argument("--prompt-lookup", type=int, default=3, metavar="K",
-                   help="also measure n-gram prompt lookup with K tokens (0: skip; at most 64)")
+    p.add_argument("--prompt-lookup", default="3", metavar="K[,K...]",
+                   help="also measure n-gram prompt lookup with K tokens, for each K given (0: skip; at most 64): "
+                        "the free baseline at its best length here, e.g. 3,10")
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
-                   help="also measure --tree with K prompt-lookup tokens grafted on (default --prompt-lookup's, or 3)")
+                   help="also measure --tree with K prompt-lookup tokens grafted on (default --prompt-lookup's "
+                        "first, or 3)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (N >= 1)")
     p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2; N >= 1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
@@ -153,10 +155,12 @@ def _bench(args, argv: list[str]) -> int:
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit), ("--turns", args.turns)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
-    if args.prompt_lookup < 0:
+    lookup_ks = parse_ints(args.prompt_lookup) or []
+    if any(k < 0 for k in lookup_ks):
         raise UsageError(f"--prompt-lookup must be >= 0 (0 skips it), got {args.prompt_lookup}")
+    lookup_ks = [k for k in lookup_ks if k]
     check_bench_args([d for d in args.datasets.split(",") if d], temperatures, limit=args.limit, turns=args.turns,
-                     max_new_tokens=args.max_new_tokens, prompt_lookup_k=args.prompt_lookup or None)
+                     max_new_tokens=args.max_new_tokens, prompt_lookup_ks=lookup_ks)
     if args.readme:
         check_readme(args.readme, args.readme_section)
     fixed = args.chain is not None or not (args.tree or args.shape)
@@ -164,7 +168,7 @@ def _bench(args, argv: list[str]) -> int:
     if args.tree:
         specs.append(TreeSpec.parse(args.tree))
     if args.hybrid is not None:
-        specs.append(HybridSpec.parse(args.tree, args.hybrid or args.prompt_lookup or 3))
+        specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0]))
     target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
     drafter = load_drafter(args.drafter, target)
     choice = print_choice(target, drafter, args.drafter, note) if args.shape else None
@@ -174,7 +178,7 @@ def _bench(args, argv: list[str]) -> int:
         specs += [s for s in chosen if s not in specs]
     report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], specs, temperatures,
                        limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
-                       prompt_lookup_k=args.prompt_lookup or None, progress=args.progress,
+                       prompt_lookup_ks=lookup_ks, progress=args.progress,
                        train_conversations=args.train_conversations)
     report.update({"auto_shape": choice.to_dict()} if choice else {})
     paths = write_report(report, args.out)

@@ -32,11 +32,15 @@ Shape = ChainSpec | TreeSpec | HybridSpec
 TREES: tuple[TreeSpec, ...] = tuple(TreeSpec(d, k, t) for d, k, t in (
     (2, 4, 6), (2, 6, 10), (3, 4, 8), (3, 6, 12), (3, 8, 16), (4, 6, 16), (4, 8, 24), (5, 8, 32), (6, 8, 48),
     (6, 10, 60)))
-#: Chains 1..8, the trees, and each tree with prompt lookup's 3 tokens grafted on (bench's default k).
+#: Lookup lengths a hybrid may graft. Lookup proposals cost no model pass, and where the text repeats (code,
+#: lists, a small target's own loops) a long one is accepted whole, so the verify curve decides how far to go.
+HYBRID_LOOKUP_KS = (3, 6, 10, 16)
+#: Chains 1..8, the trees, and each tree with each of those lookup lengths grafted on.
 DEFAULT_CANDIDATES: tuple[Shape, ...] = (
-    *(ChainSpec(k) for k in range(1, 9)), *TREES, *(HybridSpec(t, NgramSpec(3)) for t in TREES))
+    *(ChainSpec(k) for k in range(1, 9)), *TREES,
+    *(HybridSpec(t, NgramSpec(k)) for k in HYBRID_LOOKUP_KS for t in TREES))
 #: How far calibration follows prompt lookup's proposals (longer ones are cut to this).
-LOOKUP_DEPTH = 8
+LOOKUP_DEPTH = max(HYBRID_LOOKUP_KS)
 #: Verified tokens (root incl.) at which the verify curve is measured; others are interpolated. Dense where
 #: the candidates sit: packed GEMMs change kernels between sizes, so the curve is not smooth there.
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
