@@ -198,6 +198,7 @@ def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, ou
            "--drafter", str(drafter), "--datasets", ",".join(p.bench_datasets), "--limit", str(p.bench_limit),
            "--turns", "1", "--max-new-tokens", str(p.bench_tokens), "--chain", str(p.chain), "--out", str(out),
            "--shape", "auto",  # also the shape chosen for this machine from its measured costs
+           "--prompt-lookup", "3,10",  # the free baseline short and long: an auto hybrid may graft a long lookup
            "--train-conversations", str(conversations)]
     if p.tree:  # the tree, and the same tree with prompt-lookup branches grafted on
         cmd += ["--tree", ",".join(str(x) for x in p.tree), "--hybrid"]
