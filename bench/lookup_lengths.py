@@ -13,20 +13,13 @@ import sys
 
 import torch
 
-from draftsmith.data.chat import stop_token_ids
+from draftsmith.app.args import parse_ints
+from draftsmith.app.bench import decode_prompts
+from draftsmith.data.chat import encode_prompt
 from draftsmith.data.prompts import load_prompts
 from draftsmith.model.drafter import load_drafter
 from draftsmith.stages.decode import HybridSpec, NgramSpec, SpeculativeDecoder, TreeSpec
 from draftsmith.stages.step_config import load_target_for
-
-
-def tau(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int, stops) -> float:
-    rounds = accepted = 0
-    for ids in prompts:
-        r = decoder.generate(ids, max_new_tokens, eos_token_ids=stops)
-        rounds += len(r.accepted_per_step)
-        accepted += sum(r.accepted_per_step)
-    return 1 + accepted / max(1, rounds)
 
 
 def main() -> int:
@@ -43,22 +36,18 @@ def main() -> int:
 
     target, _ = load_target_for(args.target, dtype="float32")
     drafter = load_drafter(args.drafter, target)
-    tok, stops = target.tokenizer, stop_token_ids(target.tokenizer)
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = parse_ints(args.ks)
     datasets = args.datasets.split(",")
-    prompts = {}
-    for name in datasets:
-        prompts[name] = [tok(tok.apply_chat_template([{"role": "user", "content": p.turns[0]}],
-                                                     add_generation_prompt=True, tokenize=False),
-                             add_special_tokens=False)["input_ids"]
-                         for p in load_prompts(name, limit=args.limit, turns=1)]
+    prompts = {name: [encode_prompt(target.tokenizer, p.turns[0], chat=True)
+                      for p in load_prompts(name, limit=args.limit, turns=1)] for name in datasets}
     rows: dict[str, dict[int, dict[str, float]]] = {"prompt lookup": {}, f"hybrid {args.tree} + lookup": {}}
     tree = TreeSpec.parse(args.tree)
     for k in ks:
         for row, decoder in (("prompt lookup", SpeculativeDecoder(target, None, NgramSpec(k))),
                              (f"hybrid {args.tree} + lookup",
                               SpeculativeDecoder(target, drafter, HybridSpec(tree, NgramSpec(k))))):
-            rows[row][k] = {name: tau(decoder, prompts[name], args.max_new_tokens, stops) for name in datasets}
+            rows[row][k] = {name: decode_prompts(decoder, prompts[name], args.max_new_tokens)[0].acceptance_length
+                            for name in datasets}
             print(json.dumps({"proposer": row, "k": k, **{n: round(v, 3) for n, v in rows[row][k].items()}}),
                   file=sys.stderr, flush=True)
     print(f"| proposer ({' / '.join(datasets)}) | " + " | ".join(f"lookup {k}" for k in ks) + " |")

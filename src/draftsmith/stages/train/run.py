@@ -49,17 +49,15 @@ def train(cfg: TrainConfig) -> TrainResult:
     owns_group = setup_distributed(cfg.device)
     rank, world = dist_info()
     out = Path(cfg.out)
-    ok = False
+    lock, ok = None, False
     try:
         lock = _lock_out(out, rank)
-        try:
-            result = _train(cfg, rank, world, out)
-            ok = True
-            return result
-        finally:
-            if lock is not None:
-                lock.release()
+        result = _train(cfg, rank, world, out)
+        ok = True
+        return result
     finally:
+        if lock is not None:
+            lock.release()
         if owns_group:
             teardown_distributed(ok)
 
