@@ -4,7 +4,8 @@ Splits wall time into target passes (prefill, 1-token steps, k-token verify pass
 its lm_head), KV-cache bookkeeping and the rest (Python), and prints the physical bound
 tau * t_plain_step / (t_verify + t_draft) next to the measured speedup.
 
-Run: python bench/profile_decode.py --drafter runs/demo/run/best [--dtype bfloat16] [--chain 3] [--prompts 4]
+Run: python bench/profile_decode.py --drafter runs/demo/run/best [--dtype bfloat16] [--chain 3 | --tree 2,6,10
+     [--hybrid 16]] [--prompts 4]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from draftsmith.data.chat import encode_prompt, stop_token_ids
 from draftsmith.data.prompts import load_prompts
 from draftsmith.model.drafter import load_drafter
 from draftsmith.model.target import load_target
-from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
+from draftsmith.stages.decode import ChainSpec, HybridSpec, SpeculativeDecoder, TreeSpec
 
 
 def _wrap(module: torch.nn.Module, label: str, clock: dict[str, float]) -> None:
@@ -48,6 +49,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--chain", type=int, default=3)
     ap.add_argument("--tree", default=None, metavar="DEPTH,TOPK,TOTAL", help="profile a tree instead of a chain")
+    ap.add_argument("--hybrid", type=int, default=0, metavar="K",
+                    help="with --tree: graft prompt lookup of K tokens onto the tree (the hybrid proposer)")
     ap.add_argument("--prompts", type=int, default=4, help="first N MT-bench questions (first turn)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--json", default=None)
@@ -59,6 +62,8 @@ def main() -> int:
     stops = stop_token_ids(tok)
     prompts = [encode_prompt(tok, p.turns[0], chat=True) for p in load_prompts("mt-bench", args.prompts, 1)]
     spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain)
+    if args.hybrid:
+        spec = HybridSpec.parse(args.tree, args.hybrid)
     plain, spec_dec = SpeculativeDecoder(target, None, None), SpeculativeDecoder(target, drafter, spec)
     clock: dict[str, float] = defaultdict(float)
     _wrap(target.model, "target", clock)
