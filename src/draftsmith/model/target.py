@@ -377,13 +377,15 @@ def cache_keep(cache, keep: int, extra: torch.Tensor | None = None) -> None:
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
-        if extra is None or extra.numel() == 0:
-            layer.keys = layer.keys[..., :keep, :]
-            layer.values = layer.values[..., :keep, :]
-        else:
-            idx = torch.cat([torch.arange(keep, device=extra.device), extra]).to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
+        n = 0 if extra is None else extra.numel()
+        if n:
+            # Move only the kept tree entries down to keep..keep+n (the gather copies them first, so sources
+            # and destinations may overlap); the prefix is not copied.
+            idx = extra.to(layer.keys.device)
+            layer.keys[..., keep:keep + n, :] = layer.keys.index_select(-2, idx)
+            layer.values[..., keep:keep + n, :] = layer.values.index_select(-2, idx)
+        layer.keys = layer.keys[..., :keep + n, :]
+        layer.values = layer.values[..., :keep + n, :]
 
 
 # --- loading -------------------------------------------------------------------------------------------
