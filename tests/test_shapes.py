@@ -170,6 +170,24 @@ def test_cli_shape_auto_prints_its_choice_and_stays_lossless(model_dir, capsys, 
         assert chosen != "plain" and report["mode"] == chosen.split()[0] and "expected" in line
 
 
+def test_calibration_follows_the_runs_length(model_dir, capsys, tmp_path, monkeypatch):
+    """Lookup's reach grows with the answer: `--shape auto` calibrates at the run's length, within bounds."""
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    seen = []
+
+    def calibrate(*a, depth, top_k, max_new_tokens, **k):
+        seen.append(max_new_tokens)
+        return Acceptance(((0.5,) + (0.0,) * (top_k - 1),) * depth)
+
+    monkeypatch.setattr(shapes, "calibrate_acceptance", calibrate)
+    # _decode asks for 10 new tokens; a later flag wins.
+    for n in (10, 200, 4000):
+        _decode(capsys, model_dir, "--dtype", "float32", "--random-drafter", "--shape", "auto",
+                "--max-new-tokens", str(n))
+    assert seen == [shapes.CALIBRATION_MIN_TOKENS, 200, shapes.CALIBRATION_MAX_TOKENS]
+    assert shapes.calibration_tokens(None) == shapes.CALIBRATION_TOKENS
+
+
 def test_cli_shape_auto_chooses_the_dtype_and_measures_once(model_dir, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
     report, err = _decode(capsys, model_dir, "--random-drafter", "--shape", "auto")

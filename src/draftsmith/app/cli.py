@@ -171,7 +171,7 @@ def _bench(args, argv: list[str]) -> int:
         specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0]))
     target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
     drafter = load_drafter(args.drafter, target)
-    choice = print_choice(target, drafter, args.drafter, note) if args.shape else None
+    choice = print_choice(target, drafter, args.drafter, note, args.max_new_tokens) if args.shape else None
     if choice is not None and choice.shape is not None:
         # A chosen hybrid is measured with its bare tree too, so the table shows what lookup's branch adds.
         chosen = [choice.shape.tree, choice.shape] if isinstance(choice.shape, HybridSpec) else [choice.shape]
@@ -229,7 +229,7 @@ def _decode(args) -> int:
         drafter = load_drafter(args.drafter, target)
     elif args.random_drafter:
         drafter = new_drafter(target)
-    choice = print_choice(target, drafter, args.drafter, note) if args.shape else None
+    choice = print_choice(target, drafter, args.drafter, note, args.max_new_tokens) if args.shape else None
     if choice is not None:
         spec, drafter = (choice.shape, drafter) if choice.shape is not None else (spec, None)
     tok = target.tokenizer

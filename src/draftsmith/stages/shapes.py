@@ -44,6 +44,8 @@ LOOKUP_DEPTH = max(HYBRID_LOOKUP_KS)
 #: Verified tokens (root incl.) at which the verify curve is measured; others are interpolated. Dense where
 #: the candidates sit: packed GEMMs change kernels between sizes, so the curve is not smooth there.
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+#: Calibration decodes each prompt for the run's max_new_tokens, clamped to these (``calibration_tokens``).
+CALIBRATION_TOKENS, CALIBRATION_MIN_TOKENS, CALIBRATION_MAX_TOKENS = 96, 64, 256
 CALIBRATION_PROMPTS = (
     "Explain how a hash table works and when you would use one.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -388,7 +390,7 @@ def calibration_prompts(tokenizer, prompts: Sequence[str] = CALIBRATION_PROMPTS)
 
 @torch.no_grad()
 def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int]], depth: int = 6,
-                         top_k: int = 10, max_new_tokens: int = 96) -> Acceptance:
+                         top_k: int = 10, max_new_tokens: int = CALIBRATION_TOKENS) -> Acceptance:
     """Per-depth, per-rank acceptance of the drafter on the target's own greedy continuations of ``prompts``.
 
     Each prompt is decoded (chain 3: the same tokens as plain greedy, faster), then the drafter is unrolled
@@ -537,9 +539,23 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     return choose_shape(acc, cost, candidates, max_top_k=drafter.config.draft_vocab_size), cost, acc
 
 
-def print_choice(target: Target, drafter, drafter_dir: str | Path | None, dtype_note: str = "") -> Choice:
-    """``auto_shape``, with its one-line answer on stderr (what was chosen and why)."""
-    choice = auto_shape(target, drafter, drafter_dir)[0]
+def calibration_tokens(max_new_tokens: int | None) -> int:
+    """Tokens each calibration prompt is decoded for: the run's own length, within bounds.
+
+    Lookup's reach grows with the answer (a long answer repeats itself and its prompt more), so acceptance
+    calibrated on 96 tokens under-predicts the hybrids of a 256-token run; below the floor it is noise, and
+    past the cap calibration would cost more than the choice is worth.
+    """
+    if not max_new_tokens:
+        return CALIBRATION_TOKENS
+    return max(CALIBRATION_MIN_TOKENS, min(int(max_new_tokens), CALIBRATION_MAX_TOKENS))
+
+
+def print_choice(target: Target, drafter, drafter_dir: str | Path | None, dtype_note: str = "",
+                 max_new_tokens: int | None = None) -> Choice:
+    """``auto_shape``, calibrated at the run's length, with its one-line answer on stderr (what and why)."""
+    calibrate = {"max_new_tokens": calibration_tokens(max_new_tokens)}
+    choice = auto_shape(target, drafter, drafter_dir, calibrate=calibrate)[0]
     _stderr(describe(choice, dtype_note))
     return choice
 
