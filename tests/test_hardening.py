@@ -221,3 +221,18 @@ def test_speculators_export_keeps_t2d(dirs, tmp_path, capsys):
     assert main(["import", "--from", str(out), "--out", str(back)]) == 0
     wb = load_file(str(back / "model.safetensors"))
     assert torch.equal(wb["t2d"], dirs["t2d"]) and torch.equal(wb["d2t"], dirs["d2t"])
+
+
+def test_train_interrupted_says_how_to_resume(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in train: one line naming the kept checkpoints and --resume, exit 130, no traceback."""
+    from draftsmith.stages.train import run as train_run
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_run, "train", interrupted)
+    code = main(["train", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 130
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert str(tmp_path / "run" / "checkpoints") in err and "--resume" in err

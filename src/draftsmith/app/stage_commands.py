@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from draftsmith.app.args import fail, parse_ints
 from draftsmith.core.errors import UsageError, one_line
@@ -213,7 +214,12 @@ def train(args) -> int:
 
     overrides = {k: getattr(args, k) for k in TrainConfig.fields() if getattr(args, k, None) is not None}
     cfg = load_config(args.config, overrides)
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except KeyboardInterrupt:
+        print(f"draftsmith: interrupted; checkpoints written so far are kept in {Path(cfg.out) / 'checkpoints'}, "
+              "rerun with --resume to continue from the last", file=sys.stderr)
+        return 130
     print(json.dumps({"out": str(result.out), "steps": result.steps,
                       "best_simulated_acceptance_length": result.best_simulated_acceptance_length,
                       "last_eval": result.last_eval}))
