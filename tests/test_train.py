@@ -85,6 +85,41 @@ def test_ttt_loss_on_trained_columns_equals_the_dense_loss():
     assert stats.correct == correct and stats.total == counted and sum(counted) > 0
 
 
+def test_teacher_temperature_sharpens_to_one_hot_on_the_same_argmax():
+    """Temperature < 1 sharpens the soft labels around the target's choice; 0 is its one-hot."""
+    target = tiny_target("llama")
+    drafter = new_drafter(target, draft_vocab_size=120, seed=5)
+    ids = torch.randint(3, 250, (2, 10), generator=torch.Generator().manual_seed(2))
+    out = target(ids)
+    batch = TTTBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
+                     out.hidden_state, torch.tensor([10, 10]))
+    kept = drafter.to_target_ids(torch.arange(120))
+    soft, argmax, in_draft = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d)
+    sharp = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d, temperature=0.5)[0]
+    hard = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d, temperature=0)[0]
+    assert torch.equal(sharp.argmax(-1), soft.argmax(-1)) and torch.equal(hard.argmax(-1), soft.argmax(-1))
+    assert bool((sharp.max(-1).values > soft.max(-1).values).all())
+    assert torch.equal(hard.sum(-1), torch.ones(2, 10)) and int((hard > 0).sum()) == 20
+    # Where the target's choice lies in the draft vocabulary (the columns trained), the label is that choice.
+    assert bool(in_draft.any()) and torch.equal(hard.argmax(-1)[in_draft], argmax[in_draft])
+    with pytest.raises(TrainError, match="teacher_temperature"):
+        load_config(None, {"store": "s", "teacher_temperature": -1.0})
+
+
+def test_a_run_from_before_a_new_config_field_still_resumes():
+    """A field added later hashes only off its default: a checkpoint hashed before it existed still matches."""
+    import dataclasses
+    import hashlib
+
+    from draftsmith.stages.train.config import _RESUMABLE, config_hash
+
+    cfg = TrainConfig(store="s")
+    before = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE and k != "teacher_temperature"}
+    hashed_before = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
+    assert config_hash(cfg) == hashed_before
+    assert config_hash(dataclasses.replace(cfg, teacher_temperature=0.5)) != hashed_before
+
+
 def test_target_argmax_is_the_first_maximum_in_any_head_dtype():
     """The teacher's choice equals argmax of the full logits, ties going to the lower id, chunked or not."""
     g = torch.Generator().manual_seed(0)

@@ -94,8 +94,11 @@ def target_argmax(hidden_state: torch.Tensor, lm_head_weight: torch.Tensor, chun
 @torch.no_grad()
 def teacher_targets(batch: TTTBatch, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
                     t2d: torch.Tensor, softcap: float | None = None, chunk: int = 1024,
-                    argmax: torch.Tensor | None = None, draft_weight: torch.Tensor | None = None):
+                    argmax: torch.Tensor | None = None, draft_weight: torch.Tensor | None = None,
+                    temperature: float = 1.0):
     """Teacher distribution over the draft vocabulary, and the target's argmax, from the final hidden state.
+
+    ``temperature`` sharpens (< 1) or flattens the soft labels; 0 is the one-hot of the draft-vocabulary argmax.
 
     Returns (probs [B, T, Vd] float32, argmax_draft_id [B, T] long, argmax_in_draft [B, T] bool). ``argmax``
     ([B, T], e.g. cached across epochs) skips the full-vocabulary product, the costliest part of a step;
@@ -109,7 +112,11 @@ def teacher_targets(batch: TTTBatch, lm_head_weight: torch.Tensor, target_ids: t
         draft = hidden[s: s + chunk].to(lm_head_weight.dtype) @ draft_w.T
         if softcap:
             draft = torch.tanh(draft / softcap) * softcap
-        probs.append(draft.float().softmax(-1))
+        draft = draft.float()
+        if temperature > 0:
+            probs.append((draft / temperature).softmax(-1))
+        else:
+            probs.append(torch.zeros_like(draft).scatter_(-1, draft.argmax(-1, keepdim=True), 1.0))
     argmax_target = argmax if argmax is not None else target_argmax(batch.hidden_state, lm_head_weight, chunk)
     in_draft = t2d[argmax_target]
     # Draft id of a target id = its rank among the kept ids (draft ids are kept ids in ascending order).

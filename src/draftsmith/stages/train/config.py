@@ -29,6 +29,7 @@ class TrainConfig:
     init_head: bool = False  # a fresh drafter's lm_head and norm start as the target's head rows and final norm
     ttt_steps: int = 7
     step_decay: float = 0.8
+    teacher_temperature: float = 1.0  # soft labels' temperature (0: one-hot); README: 1 measured best
     epochs: int = 1
     train_samples: int = 0  # 0: every training sample; N: the first N by id hash (data-scaling curves)
     max_steps: int = 0  # 0: as many optimizer steps as `epochs` give
@@ -91,11 +92,18 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise TrainError(f"autocast must be auto, bf16 or off, not {cfg.autocast!r}")
     if cfg.ttt_steps < 1 or cfg.batch_tokens < 2 or cfg.grad_accum < 1:
         raise TrainError("ttt_steps, grad_accum must be >= 1 and batch_tokens >= 2")
+    if cfg.teacher_temperature < 0:
+        raise TrainError(f"teacher_temperature must be >= 0 (0: one-hot labels), not {cfg.teacher_temperature}")
     if cfg.train_samples < 0:
         raise TrainError(f"train_samples must be >= 0 (0: all), not {cfg.train_samples}")
     return cfg
 
 
+# Fields added after runs existed: hashed only off their default, so those runs still resume.
+_ADDED_LATER = {"teacher_temperature": 1.0}
+
+
 def config_hash(cfg: TrainConfig) -> str:
-    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE}
+    d = {k: v for k, v in dataclasses.asdict(cfg).items()
+         if k not in _RESUMABLE and _ADDED_LATER.get(k, object()) != v}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -61,8 +61,10 @@ class Teacher:
     epoch, so it is computed once per sample (8 bytes a token); online batches are computed afresh.
     """
 
-    def __init__(self, lm_head: torch.Tensor, target_ids: torch.Tensor, t2d: torch.Tensor, softcap: float | None):
+    def __init__(self, lm_head: torch.Tensor, target_ids: torch.Tensor, t2d: torch.Tensor, softcap: float | None,
+                 temperature: float = 1.0):
         self.lm_head, self.target_ids, self.t2d, self.softcap = lm_head, target_ids, t2d, softcap
+        self.temperature = temperature
         self.draft_weight = lm_head[target_ids]
         self._argmax: dict[int, torch.Tensor] = {}
 
@@ -78,7 +80,7 @@ class Teacher:
                 a = self._argmax[i]
                 argmax[row, : a.numel()] = a
         return teacher_targets(batch, self.lm_head, self.target_ids, self.t2d, self.softcap, argmax=argmax,
-                               draft_weight=self.draft_weight)
+                               draft_weight=self.draft_weight, temperature=self.temperature)
 
 
 @torch.no_grad()

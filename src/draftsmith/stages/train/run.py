@@ -90,7 +90,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     params, opt, sched = _setup_optimizer(cfg, drafter, total_steps, world)
     state = _setup_state(cfg, out, drafter, opt, sched)
     autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world)
-    teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype)
+    teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype, cfg.teacher_temperature)
     log = MetricsLog(out, rank)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -215,11 +215,11 @@ def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
 
 
 def _setup_teacher(drafter: Eagle3Drafter, heads, device: torch.device, autocast: bool,
-                   compute_dtype: torch.dtype) -> Teacher:
+                   compute_dtype: torch.dtype, temperature: float = 1.0) -> Teacher:
     # The teacher's products run in the autocast dtype: convert the head once, not in every call.
     lm_head = heads.lm_head_weight.to(device=device, dtype=torch.bfloat16 if autocast else compute_dtype)
     target_ids = drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=device))
-    return Teacher(lm_head, target_ids, drafter.t2d, heads.final_logit_softcapping)
+    return Teacher(lm_head, target_ids, drafter.t2d, heads.final_logit_softcapping, temperature)
 
 
 def _total_steps(cfg: TrainConfig, train_idx: list[int], lengths: list[int], world: int) -> int:
