@@ -21,14 +21,19 @@ from draftsmith.stages.train.config import TrainConfig, TrainError, load_config
 from draftsmith.stages.train.run import train
 
 
+def _answer_batch(target, ids: torch.Tensor, lengths: list[int]):
+    """The target's outputs on ``ids`` and the TTT batch built from them, every token an answer token."""
+    out = target(ids)
+    return out, TTTBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
+                         out.hidden_state, torch.tensor(lengths))
+
+
 def test_ttt_unroll_equals_inference_drafting():
     """Step i at column t of TTT computes what drafting token i+1 after position t computes at inference."""
     target = tiny_target("llama")
     drafter = new_drafter(target, draft_vocab_size=200, seed=3)
     ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(0))
-    out = target(ids)
-    batch = TTTBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
-                     out.hidden_state, torch.tensor([12, 9]))
+    out, batch = _answer_batch(target, ids, [12, 9])
     teacher = teacher_targets(batch, target.lm_head.weight, drafter.to_target_ids(torch.arange(200)), drafter.t2d)
     hidden: list[torch.Tensor] = []
     ttt_forward(drafter, batch, teacher, 4, unroll_hidden=hidden)
@@ -89,10 +94,8 @@ def test_teacher_temperature_sharpens_to_one_hot_on_the_same_argmax():
     """Temperature < 1 sharpens the soft labels around the target's choice; 0 is its one-hot."""
     target = tiny_target("llama")
     drafter = new_drafter(target, draft_vocab_size=120, seed=5)
-    ids = torch.randint(3, 250, (2, 10), generator=torch.Generator().manual_seed(2))
-    out = target(ids)
-    batch = TTTBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
-                     out.hidden_state, torch.tensor([10, 10]))
+    _, batch = _answer_batch(target, torch.randint(3, 250, (2, 10), generator=torch.Generator().manual_seed(2)),
+                             [10, 10])
     kept = drafter.to_target_ids(torch.arange(120))
     soft, argmax, in_draft = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d)
     sharp = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d, temperature=0.5)[0]
