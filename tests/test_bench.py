@@ -103,7 +103,7 @@ def test_run_bench_refuses_an_empty_prompt_set_before_decoding(bench_dirs):
 
 
 def test_bench_shape_auto_hybrid_comes_with_its_tree(bench_dirs, capsys, tmp_path, monkeypatch):
-    """A chosen hybrid is measured next to its bare tree; both stay lossless against plain decoding (fp32)."""
+    """A chosen hybrid is measured next to its bare tree and its n>=2 sibling; all stay lossless (fp32)."""
     from draftsmith.cli import main
     from draftsmith.stages import shapes
 
@@ -126,7 +126,9 @@ def test_bench_shape_auto_hybrid_comes_with_its_tree(bench_dirs, capsys, tmp_pat
     chosen = report["auto_shape"]["shape"]
     assert chosen == "hybrid 2,4,6+lookup 10" and f"shape: {chosen} (expected" in err
     methods = report["results"][0]["methods"]
-    assert list(methods) == ["plain", "eagle3 chain k=2", "eagle3 tree 2,4,6", chosen, "prompt lookup k=3"]
+    # ... and next to its sibling of the other minimum n-gram (decoded though `good` has no n>=2 reach to weigh).
+    assert list(methods) == ["plain", "eagle3 chain k=2", "eagle3 tree 2,4,6", chosen, f"{chosen} (n>=2)",
+                             "prompt lookup k=3"]
     assert all(m["identical_to_plain"] == "1/1" for name, m in methods.items() if name != "plain")
 
 

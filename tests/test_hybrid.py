@@ -24,6 +24,8 @@ from draftsmith.stages.decode import (
 )
 
 HYBRID = HybridSpec(TreeSpec(depth=4, top_k=3, total_tokens=12), NgramSpec(k=3))
+#: The same tree grafting lookup only where two or more tokens recur.
+HYBRID_MIN2 = HybridSpec(HYBRID.tree, NgramSpec(k=3, min_ngram=2))
 NEW_TOKENS = 16
 
 
@@ -51,11 +53,11 @@ def merges(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
-@pytest.mark.parametrize("drafter_kind", ["random", "fitted"])
+@pytest.mark.parametrize("drafter_kind", ["random", "fitted", "fitted, lookup n>=2"])
 def test_hybrid_greedy_equals_plain(arch, drafter_kind, merges):
     target = tiny_target(arch, num_hidden_layers=LAYERS)
     drafter = new_drafter(target, seed=1) if drafter_kind == "random" else fitted(arch)
-    decoder = SpeculativeDecoder(target, drafter, HYBRID)
+    decoder = SpeculativeDecoder(target, drafter, HYBRID_MIN2 if "n>=2" in drafter_kind else HYBRID)
     lookup = {}
     for name, (prompts, refs) in {"random": references(arch), "repetitive": repetitive(arch)}.items():
         lookup[name] = 0
@@ -68,7 +70,7 @@ def test_hybrid_greedy_equals_plain(arch, drafter_kind, merges):
                        for lk, a in zip(r.lookup_accepted_per_step, r.accepted_per_step, strict=True))
             lookup[name] += sum(r.lookup_accepted_per_step)
     assert lookup["repetitive"] > 0, lookup  # tokens only lookup proposed were accepted
-    if drafter_kind == "fitted":
+    if drafter_kind.startswith("fitted"):
         assert merges[0] > 0  # lookup chains shared a prefix with drafted nodes, and stayed exact
 
 
@@ -136,6 +138,9 @@ def test_hybrid_spec_shape_and_errors():
     assert HYBRID.max_draft_tokens == 11 + 3 and HYBRID.max_accepted == 4
     assert HybridSpec(TreeSpec(2, 2, 4), NgramSpec(6)).max_accepted == 6
     assert HybridSpec.parse("4,3,12", 3) == HYBRID
+    assert HybridSpec.parse("4,3,12", 3, 2) == HYBRID_MIN2 and HYBRID_MIN2.max_draft_tokens == HYBRID.max_draft_tokens
+    with pytest.raises(UsageError, match="min_ngram"):
+        HybridSpec.parse("4,3,12", 3, 0)
     with pytest.raises(UsageError, match="give --tree"):
         HybridSpec.parse(None, 3)
     target = tiny_target("llama", num_hidden_layers=LAYERS)
@@ -185,3 +190,11 @@ def test_cli_decode_and_bench_hybrid(cli_dirs, capsys, tmp_path):
     methods = json.loads((out / "bench.json").read_text())["results"][0]["methods"]
     assert "hybrid 3,2,6+lookup 3" in methods
     assert methods["hybrid 3,2,6+lookup 3"]["identical_to_plain"] == "1/1"
+    # One hybrid per minimum n-gram asked for, named apart.
+    assert main(["bench", "--target", str(cli_dirs / "model"), "--drafter", str(cli_dirs / "drafter"),
+                 "--datasets", str(cli_dirs / "one.jsonl"), "--max-new-tokens", "8", "--tree", "3,2,6", "--hybrid",
+                 "--hybrid-min-ngram", "1,2", "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    methods = json.loads((out / "bench.json").read_text())["results"][0]["methods"]
+    assert {"hybrid 3,2,6+lookup 3", "hybrid 3,2,6+lookup 3 (n>=2)"} <= set(methods)
+    assert methods["hybrid 3,2,6+lookup 3 (n>=2)"]["identical_to_plain"] == "1/1"

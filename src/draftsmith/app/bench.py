@@ -125,8 +125,9 @@ def spec_name(spec) -> str:
     if isinstance(spec, TreeSpec):
         return f"eagle3 tree {spec.depth},{spec.top_k},{spec.total_tokens}"
     if isinstance(spec, HybridSpec):
-        return f"hybrid {spec.tree.depth},{spec.tree.top_k},{spec.tree.total_tokens}+lookup {spec.lookup.k}"
-    return f"prompt lookup k={spec.k}"
+        return (f"hybrid {spec.tree.depth},{spec.tree.top_k},{spec.tree.total_tokens}+lookup {spec.lookup.k}"
+                f"{spec.lookup.ngram_label}")
+    return f"prompt lookup k={spec.k}{spec.ngram_label}"
 
 
 def check_bench_args(datasets: Sequence[str], temperatures: Sequence[float], limit: int | None = None,

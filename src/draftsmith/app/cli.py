@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "bf16, the faster")
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="graft K prompt-lookup tokens (default 3) onto the --tree draft tree, verified in one pass")
+    p.add_argument("--hybrid-min-ngram", type=int, default=1, metavar="N",
+                   help="graft lookup only where an n-gram of at least N tokens recurs (N >= 1; default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="also measure --tree with K prompt-lookup tokens grafted on (default --prompt-lookup's "
                         "first, or 3)")
+    p.add_argument("--hybrid-min-ngram", default="1", metavar="N[,N...]",
+                   help="the hybrid grafts lookup only where an n-gram of at least N tokens recurs; one hybrid "
+                        "per N given (N >= 1; default 1)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (N >= 1)")
     p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2; N >= 1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
@@ -144,7 +149,7 @@ def _bench(args, argv: list[str]) -> int:
         write_report,
     )
     from draftsmith.model.drafter import load_drafter
-    from draftsmith.stages.decode import ChainSpec, HybridSpec, TreeSpec
+    from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, TreeSpec
     from draftsmith.stages.shapes import print_choice
     from draftsmith.stages.step_config import load_target_for
 
@@ -168,13 +173,19 @@ def _bench(args, argv: list[str]) -> int:
     if args.tree:
         specs.append(TreeSpec.parse(args.tree))
     if args.hybrid is not None:
-        specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0]))
+        for n in parse_ints(args.hybrid_min_ngram) or [1]:
+            specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0], n))
     target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
     drafter = load_drafter(args.drafter, target)
     choice = print_choice(target, drafter, args.drafter, note, args.max_new_tokens) if args.shape else None
     if choice is not None and choice.shape is not None:
-        # A chosen hybrid is measured with its bare tree too, so the table shows what lookup's branch adds.
-        chosen = [choice.shape.tree, choice.shape] if isinstance(choice.shape, HybridSpec) else [choice.shape]
+        # A chosen hybrid is measured with its bare tree too, so the table shows what lookup's branch adds, and
+        # with its sibling of the other minimum n-gram (which the cost model can only weigh on calibration text).
+        chosen = [choice.shape]
+        if isinstance(choice.shape, HybridSpec):
+            look = choice.shape.lookup
+            sibling = HybridSpec(choice.shape.tree, NgramSpec(look.k, look.max_ngram, 2 if look.min_ngram == 1 else 1))
+            chosen = [choice.shape.tree, choice.shape, sibling]
         specs += [s for s in chosen if s not in specs]
     report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], specs, temperatures,
                        limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
@@ -222,7 +233,7 @@ def _decode(args) -> int:
             raise UsageError("--prompt-lookup drafts without a drafter; drop --drafter/--random-drafter")
         spec = NgramSpec(args.prompt_lookup)
     if args.hybrid is not None:
-        spec = HybridSpec.parse(args.tree, args.hybrid or 3)
+        spec = HybridSpec.parse(args.tree, args.hybrid or 3, args.hybrid_min_ngram)
     target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
     drafter = None
     if args.drafter:

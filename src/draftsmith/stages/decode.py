@@ -122,13 +122,22 @@ class NgramSpec:
     def max_accepted(self) -> int:
         return self.k
 
+    @property
+    def ngram_label(self) -> str:
+        """'' for the default n-gram sizes (1-3), else e.g. ' (n>=2)': what names of methods append."""
+        if (self.min_ngram, self.max_ngram) == (1, 3):
+            return ""
+        return f" (n>={self.min_ngram})" if self.max_ngram == 3 else f" (n {self.min_ngram}-{self.max_ngram})"
+
 
 @dataclass(frozen=True)
 class HybridSpec:
     """The EAGLE-2 tree plus the prompt-lookup continuation grafted under its root, verified in one pass.
 
     Lookup wins on text that repeats its context (summaries, RAG, code edits), the drafter elsewhere;
-    each round keeps whichever path the target accepts furthest.
+    each round keeps whichever path the target accepts furthest. ``lookup.min_ngram`` 2 grafts only where
+    two or more tokens recur: a lone recurring token's continuation is seldom right in prose, and in rounds
+    without a graft the verify pass is the tree's alone.
     """
 
     tree: TreeSpec
@@ -143,10 +152,10 @@ class HybridSpec:
         return max(self.tree.max_accepted, self.lookup.k)
 
     @classmethod
-    def parse(cls, tree: str | None, k: int) -> HybridSpec:
+    def parse(cls, tree: str | None, k: int, min_ngram: int = 1) -> HybridSpec:
         if not tree:
             raise UsageError("--hybrid grafts prompt lookup onto a draft tree: give --tree DEPTH,TOPK,TOTAL too")
-        return cls(TreeSpec.parse(tree), NgramSpec(k))
+        return cls(TreeSpec.parse(tree), NgramSpec(k, max(3, min_ngram), min_ngram))
 
 
 def _check_length(what: str, k: int) -> None:
@@ -156,16 +165,22 @@ def _check_length(what: str, k: int) -> None:
         raise UsageError(f"{what} must be at most {MAX_DRAFT_LENGTH} (acceptance dies out long before), got {k}")
 
 
-def ngram_propose(context: list[int], spec: NgramSpec) -> list[int]:
-    """The k tokens that followed the latest earlier occurrence of the context's last n-gram (longest n first)."""
+def ngram_match(context: list[int], spec: NgramSpec) -> tuple[int, list[int]]:
+    """(n, the k tokens that followed the latest earlier occurrence of the context's last n-gram), longest n
+    first; (0, []) when no n-gram of ``spec``'s sizes recurs. The match length is how far to trust it."""
     for n in range(spec.max_ngram, spec.min_ngram - 1, -1):
         if len(context) <= n:
             continue
         tail = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):
             if context[start: start + n] == tail:
-                return context[start + n: start + n + spec.k]
-    return []
+                return n, context[start + n: start + n + spec.k]
+    return 0, []
+
+
+def ngram_propose(context: list[int], spec: NgramSpec) -> list[int]:
+    """Prompt lookup's proposal: what followed the context's last n-gram before (see ``ngram_match``)."""
+    return ngram_match(context, spec)[1]
 
 
 @dataclass

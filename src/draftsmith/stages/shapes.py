@@ -24,7 +24,7 @@ import torch
 
 from draftsmith.core.machine import cache_get, cache_put, machine_key
 from draftsmith.model.target import Target, cache_keep
-from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SpeculativeDecoder, TreeSpec, ngram_propose
+from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SpeculativeDecoder, TreeSpec, ngram_match
 
 Shape = ChainSpec | TreeSpec | HybridSpec
 
@@ -35,10 +35,14 @@ TREES: tuple[TreeSpec, ...] = tuple(TreeSpec(d, k, t) for d, k, t in (
 #: Lookup lengths a hybrid may graft. Lookup proposals cost no model pass, and where the text repeats (code,
 #: lists, a small target's own loops) a long one is accepted whole, so the verify curve decides how far to go.
 HYBRID_LOOKUP_KS = (3, 6, 10, 16)
-#: Chains 1..8, the trees, and each tree with each of those lookup lengths grafted on.
+#: The shortest recurring n-gram a hybrid grafts from: 1 grafts wherever any token recurs (code repeats its
+#: names), 2 only where two tokens do (in prose a lone token's continuation is seldom right, and a round
+#: without a graft verifies the tree alone). Calibration measures lookup's reach for each.
+HYBRID_MIN_NGRAMS = (1, 2)
+#: Chains 1..8, the trees, and each tree with each of those lookups grafted on.
 DEFAULT_CANDIDATES: tuple[Shape, ...] = (
     *(ChainSpec(k) for k in range(1, 9)), *TREES,
-    *(HybridSpec(t, NgramSpec(k)) for k in HYBRID_LOOKUP_KS for t in TREES))
+    *(HybridSpec(t, NgramSpec(k, min_ngram=m)) for m in HYBRID_MIN_NGRAMS for k in HYBRID_LOOKUP_KS for t in TREES))
 #: How far calibration follows prompt lookup's proposals (longer ones are cut to this).
 LOOKUP_DEPTH = max(HYBRID_LOOKUP_KS)
 #: Verified tokens (root incl.) at which the verify curve is measured; others are interpolated. Dense where
@@ -50,6 +54,7 @@ CALIBRATION_PROMPTS = (
     "Explain how a hash table works and when you would use one.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Give me three tips for writing clear emails, with an example of each.",
+    "Write a Python function that merges two sorted lists into one sorted list, with a docstring and a test.",
 )
 
 
@@ -112,18 +117,27 @@ class Acceptance:
     Depths and ranks not measured count as never accepted.
 
     ``lookup[d]``: how often prompt lookup's proposal there matches the target's next d+1 tokens (0 where it
-    proposes nothing); ``lookup_rate``: how often it proposes anything. Empty: lookup never helps.
+    proposes nothing); ``lookup_rate``: how often it proposes anything. Empty: lookup never helps. Both are
+    for lookup from any recurring token; ``lookup_by_min[m]`` holds the same pair for lookup that needs an
+    n-gram of at least m tokens to recur.
     """
 
     ranks: tuple[tuple[float, ...], ...]
     source: str = "given"
     lookup: tuple[float, ...] = ()
     lookup_rate: float = 0.0
+    lookup_by_min: dict[int, tuple[tuple[float, ...], float]] = field(default_factory=dict)
 
     def rank(self, depth: int, j: int) -> float:
         if depth >= len(self.ranks) or j >= len(self.ranks[depth]):
             return 0.0
         return self.ranks[depth][j]
+
+    def lookup_stats(self, min_ngram: int = 1) -> tuple[tuple[float, ...], float]:
+        """(reach per depth, proposal rate) of lookup from n-grams of >= min_ngram tokens; ((), 0) unmeasured."""
+        if min_ngram == 1:
+            return self.lookup, self.lookup_rate
+        return self.lookup_by_min.get(min_ngram, ((), 0.0))
 
     @classmethod
     def from_chain(cls, acc: Sequence[float], source: str = "given") -> Acceptance:
@@ -132,12 +146,14 @@ class Acceptance:
 
     def to_dict(self) -> dict:
         return {"ranks": [list(r) for r in self.ranks], "source": self.source, "lookup": list(self.lookup),
-                "lookup_rate": self.lookup_rate}
+                "lookup_rate": self.lookup_rate,
+                "lookup_by_min": {str(m): [list(r), rate] for m, (r, rate) in self.lookup_by_min.items()}}
 
     @classmethod
     def from_dict(cls, d: dict, note: str = "") -> Acceptance:
+        by_min = {int(m): (tuple(r), float(rate)) for m, (r, rate) in d.get("lookup_by_min", {}).items()}
         return cls(tuple(tuple(r) for r in d["ranks"]), d["source"] + note, tuple(d.get("lookup", ())),
-                   float(d.get("lookup_rate", 0.0)))
+                   float(d.get("lookup_rate", 0.0)), by_min)
 
 
 def tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
@@ -163,12 +179,13 @@ def hybrid_tau(acc: Acceptance, shape: HybridSpec) -> float:
     """1 + sum_d P(the tree or the lookup reaches depth d), the two taken as independent.
 
     At temperature 0 the tree reaches depth d with the summed value of its kept nodes there, and lookup with
-    ``acc.lookup[d-1]``; a round keeps whichever path the target accepts further.
+    lookup's reach there (for its n-gram sizes); a round keeps whichever path the target accepts further.
     """
     tree = [0.0] * max(shape.tree.depth, shape.lookup.k)
     for v, d in tree_nodes(acc, shape.tree):
         tree[d - 1] += v
-    look = [acc.lookup[d] if d < min(shape.lookup.k, len(acc.lookup)) else 0.0 for d in range(len(tree))]
+    reach = acc.lookup_stats(shape.lookup.min_ngram)[0]
+    look = [reach[d] if d < min(shape.lookup.k, len(reach)) else 0.0 for d in range(len(tree))]
     return 1.0 + sum(1.0 - (1.0 - min(t, 1.0)) * (1.0 - x) for t, x in zip(tree, look, strict=True))
 
 
@@ -199,7 +216,8 @@ def verified_tokens(shape: Shape) -> int:
 def expected_verify_time(cost: VerifyCost, shape: Shape, acc: Acceptance) -> float:
     """Seconds of the verify pass; a hybrid carries its lookup branch only in rounds where lookup proposes."""
     if isinstance(shape, HybridSpec):
-        rate = acc.lookup_rate if acc.lookup else 0.0
+        reach, rate = acc.lookup_stats(shape.lookup.min_ngram)
+        rate = rate if reach else 0.0
         return (rate * cost.t_verify(verified_tokens(shape), True)
                 + (1 - rate) * cost.t_verify(verified_tokens(shape.tree), True))
     return cost.t_verify(verified_tokens(shape), isinstance(shape, TreeSpec))
@@ -219,7 +237,8 @@ def shape_name(shape: Shape | None) -> str:
     if isinstance(shape, ChainSpec):
         return f"chain {shape.k}"
     if isinstance(shape, HybridSpec):
-        return f"hybrid {shape_name(shape.tree).removeprefix('tree ')}+lookup {shape.lookup.k}"
+        tree = shape_name(shape.tree).removeprefix("tree ")
+        return f"hybrid {tree}+lookup {shape.lookup.k}{shape.lookup.ngram_label}"
     return f"tree {shape.depth},{shape.top_k},{shape.total_tokens}"
 
 
@@ -250,7 +269,8 @@ def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[
                  max_top_k: int | None = None) -> Choice:
     """The argmax of ``expected_speedup`` over the candidates, or plain decoding when none exceeds 1."""
     usable = [s for s in candidates if (max_top_k is None or tree_of(s) is None or tree_of(s).top_k <= max_top_k)
-              and (acceptance.lookup or not isinstance(s, HybridSpec))]  # no lookup measured: a hybrid is its tree
+              and (not isinstance(s, HybridSpec) or acceptance.lookup_stats(s.lookup.min_ngram)[0])]
+    # (no lookup measured: a hybrid would be its tree)
     table = {shape_name(s): expected_speedup(acceptance, s, cost) for s in usable}
     best = max(usable, key=lambda s: table[shape_name(s)], default=None)
     if best is None or table[shape_name(best)] <= 1.0:
@@ -429,38 +449,46 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
             counts[d] += cols.numel()
     # Rates conditional on the previous depths accepted: teacher forcing feeds the true tokens.
     ranks = tuple(tuple((hits[d] / counts[d]).tolist()) if counts[d] else () for d in range(depth))
-    return Acceptance(ranks, f"calibration on {len(prompts)} prompts", *lookup.result())
+    by_min = {m: lookup.result(m) for m in HYBRID_MIN_NGRAMS if m > 1}
+    return Acceptance(ranks, f"calibration on {len(prompts)} prompts", *lookup.result(), by_min)
 
 
 @dataclass
 class LookupReach:
-    """Prompt lookup replayed on decoded text: at each emitted token, how many of the next ones it proposes right."""
+    """Prompt lookup replayed on decoded text: at each emitted token, how many of the next ones it proposes right,
+    by the length of the n-gram it matched (lookup needing n >= m proposes exactly where the match is >= m)."""
 
     depth: int = LOOKUP_DEPTH
     positions: int = 0
-    proposed: int = 0
-    reach: list[int] = field(init=False)
+    spec: NgramSpec = field(init=False)
+    proposed: list[int] = field(init=False)  # [n]: positions whose longest recurring n-gram has n tokens
+    reach: list[list[int]] = field(init=False)  # [n][d]: of those, how many had lookup's first d+1 tokens right
 
     def __post_init__(self):
-        self.reach = [0] * self.depth
+        self.spec = NgramSpec(self.depth)
+        self.proposed = [0] * (self.spec.max_ngram + 1)
+        self.reach = [[0] * self.depth for _ in self.proposed]
 
     def add(self, prompt: list[int], gen: list[int]) -> None:
         """A round starts after each emitted token but the last: the context ends with it, the rest is ahead."""
-        seq, spec = prompt + gen, NgramSpec(self.depth)
+        seq = prompt + gen
         for t in range(len(prompt), len(seq) - 1):
-            proposal = ngram_propose(seq[: t + 1], spec)
+            n, proposal = ngram_match(seq[: t + 1], self.spec)
             self.positions += 1
-            self.proposed += bool(proposal)
+            self.proposed[n] += bool(proposal)
             for d, tok in enumerate(proposal):
                 if t + 1 + d >= len(seq) or seq[t + 1 + d] != tok:
                     break
-                self.reach[d] += 1
+                self.reach[n][d] += 1
 
-    def result(self) -> tuple[tuple[float, ...], float]:
-        """(P(lookup's first d+1 tokens are right) for each d, P(it proposes anything))."""
+    def result(self, min_ngram: int = 1) -> tuple[tuple[float, ...], float]:
+        """(P(lookup's first d+1 tokens are right) for each d, P(it proposes anything)), for lookup that needs
+        an n-gram of at least ``min_ngram`` tokens to recur."""
         if not self.positions:
             return (), 0.0
-        return tuple(r / self.positions for r in self.reach), self.proposed / self.positions
+        ns = range(min_ngram, len(self.proposed))
+        return (tuple(sum(self.reach[n][d] for n in ns) / self.positions for d in range(self.depth)),
+                sum(self.proposed[n] for n in ns) / self.positions)
 
 
 def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
@@ -505,7 +533,8 @@ def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, p
     weights = _weights_key(drafter_dir)
     key = {"target": target.fingerprint(), "dtype": str(target.dtype).removeprefix("torch."), "drafter": weights,
            "prompts": hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()[:16],
-           "calibrate": dict(sorted(calibrate.items())), "lookup_depth": LOOKUP_DEPTH}
+           "calibrate": dict(sorted(calibrate.items())), "lookup_depth": LOOKUP_DEPTH,
+           "lookup_min_ngrams": list(HYBRID_MIN_NGRAMS)}
     hit = None if refresh or weights is None else cache_get("acceptance", key)
     if hit is not None:
         return Acceptance.from_dict(hit, ", cached"), True
