@@ -103,7 +103,8 @@ def test_run_bench_refuses_an_empty_prompt_set_before_decoding(bench_dirs):
 
 
 def test_bench_shape_auto_hybrid_comes_with_its_tree(bench_dirs, capsys, tmp_path, monkeypatch):
-    """A chosen hybrid is measured next to its bare tree and its n>=2 sibling; all stay lossless (fp32)."""
+    """A chosen hybrid is measured next to its bare tree and its siblings at --hybrid-min-ngram's other N; all
+    stay lossless (fp32)."""
     from draftsmith.cli import main
     from draftsmith.stages import shapes
 
@@ -119,14 +120,15 @@ def test_bench_shape_auto_hybrid_comes_with_its_tree(bench_dirs, capsys, tmp_pat
                         lambda *a, **k: shapes.VerifyCost(0.01, flat, flat, {w: 5e-4 for w in (1, 4, 6, 8, 10)}))
     code = main(["bench", "--target", str(bench_dirs / "model"), "--drafter", str(bench_dirs / "drafter"),
                  "--datasets", str(bench_dirs / "one.jsonl"), "--max-new-tokens", "8", "--dtype", "float32",
-                 "--chain", "2", "--shape", "auto", "--out", str(tmp_path / "b"), "--no-progress"])
+                 "--chain", "2", "--shape", "auto", "--hybrid-min-ngram", "1,2", "--out", str(tmp_path / "b"),
+                 "--no-progress"])
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads((tmp_path / "b" / "bench.json").read_text())
     chosen = report["auto_shape"]["shape"]
     assert chosen == "hybrid 2,4,6+lookup 10" and f"shape: {chosen} (expected" in err
     methods = report["results"][0]["methods"]
-    # ... and next to its sibling of the other minimum n-gram (decoded though `good` has no n>=2 reach to weigh).
+    # ... and next to its sibling at n>=2 (decoded though `good` has no n>=2 reach to weigh).
     assert list(methods) == ["plain", "eagle3 chain k=2", "eagle3 tree 2,4,6", chosen, f"{chosen} (n>=2)",
                              "prompt lookup k=3"]
     assert all(m["identical_to_plain"] == "1/1" for name, m in methods.items() if name != "plain")

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "first, or 3)")
     p.add_argument("--hybrid-min-ngram", default="1", metavar="N[,N...]",
                    help="the hybrid grafts lookup only where an n-gram of at least N tokens recurs; one hybrid "
-                        "per N given (N >= 1; default 1)")
+                        "per N given, and --shape auto's hybrid is measured at each N too (N >= 1; default 1)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (N >= 1)")
     p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2; N >= 1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
@@ -180,12 +180,13 @@ def _bench(args, argv: list[str]) -> int:
     choice = print_choice(target, drafter, args.drafter, note, args.max_new_tokens) if args.shape else None
     if choice is not None and choice.shape is not None:
         # A chosen hybrid is measured with its bare tree too, so the table shows what lookup's branch adds, and
-        # with its sibling of the other minimum n-gram (which the cost model can only weigh on calibration text).
+        # with its siblings at --hybrid-min-ngram's other N (the cost model weighs those on calibration text only).
         chosen = [choice.shape]
         if isinstance(choice.shape, HybridSpec):
             look = choice.shape.lookup
-            sibling = HybridSpec(choice.shape.tree, NgramSpec(look.k, look.max_ngram, 2 if look.min_ngram == 1 else 1))
-            chosen = [choice.shape.tree, choice.shape, sibling]
+            siblings = [HybridSpec(choice.shape.tree, NgramSpec(look.k, max(look.max_ngram, n), n))
+                        for n in parse_ints(args.hybrid_min_ngram) or [1] if n != look.min_ngram]
+            chosen = [choice.shape.tree, choice.shape, *siblings]
         specs += [s for s in chosen if s not in specs]
     report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], specs, temperatures,
                        limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,

@@ -6,7 +6,7 @@ Stages (each reads the previous stage's files and resumes when rerun):
   2. capture   aux hidden states + teacher state into a feature store          -> store/ (+ vocab)
   3. train     EAGLE-3 drafter with training-time test                          -> run/ (best/, plots)
   4. export    the vLLM layout                                                  -> export/vllm/
-  5. bench     plain vs EAGLE-3 (chain, tree) vs prompt lookup on MT-bench      -> bench/
+  5. bench     plain vs EAGLE-3 (chain, tree, the shape that pays) vs lookup   -> bench/
 """
 
 from __future__ import annotations
@@ -200,8 +200,8 @@ def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, ou
            "--shape", "auto",  # also the shape chosen for this machine from its measured costs
            "--prompt-lookup", "3,10",  # the free baseline short and long: an auto hybrid may graft a long lookup
            "--train-conversations", str(conversations)]
-    if p.tree:  # the tree, and the same tree with prompt-lookup branches grafted on
-        cmd += ["--tree", ",".join(str(x) for x in p.tree), "--hybrid"]
+    if p.tree:  # the preset's tree; --shape auto adds the hybrid that pays here, with its bare tree
+        cmd += ["--tree", ",".join(str(x) for x in p.tree)]
     if not progress:
         cmd.append("--no-progress")
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # the table is printed by the summary below
