@@ -69,6 +69,7 @@ def bench_dirs(tmp_path_factory):
     (["--tree", "3,600,10"], "draft vocabulary"),
     (["--prompt-lookup", "-1"], "--prompt-lookup must be >= 0"),
     (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--hybrid-min-ngram", "0", "--shape", "auto"], "--hybrid-min-ngram takes N >= 1"),
     (["--datasets", "{bad}"], "no usable prompt"),
 ])
 def test_bench_bad_input_one_line_exit_2(bench_dirs, capsys, tmp_path, args, message):

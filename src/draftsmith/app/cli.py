@@ -76,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="also measure --tree with K prompt-lookup tokens grafted on (default --prompt-lookup's "
                         "first, or 3)")
-    p.add_argument("--hybrid-min-ngram", default="1", metavar="N[,N...]",
+    p.add_argument("--hybrid-min-ngram", default=None, metavar="N[,N...]",
                    help="the hybrid grafts lookup only where an n-gram of at least N tokens recurs; one hybrid "
-                        "per N given, and --shape auto's hybrid is measured at each N too (N >= 1; default 1)")
+                        "per N given, and --shape auto's hybrid is measured at each N given too (N >= 1; default 1)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (N >= 1)")
     p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2; N >= 1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
@@ -172,8 +172,11 @@ def _bench(args, argv: list[str]) -> int:
     specs = [ChainSpec(args.chain if args.chain is not None else 3)] if fixed else []
     if args.tree:
         specs.append(TreeSpec.parse(args.tree))
+    min_ngrams = parse_ints(args.hybrid_min_ngram or "1") or [1]
+    if min(min_ngrams) < 1:
+        raise UsageError(f"--hybrid-min-ngram takes N >= 1, got {args.hybrid_min_ngram}")
     if args.hybrid is not None:
-        for n in parse_ints(args.hybrid_min_ngram) or [1]:
+        for n in min_ngrams:
             specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0], n))
     target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
     drafter = load_drafter(args.drafter, target)
@@ -185,7 +188,7 @@ def _bench(args, argv: list[str]) -> int:
         if isinstance(choice.shape, HybridSpec):
             look = choice.shape.lookup
             siblings = [HybridSpec(choice.shape.tree, NgramSpec(look.k, max(look.max_ngram, n), n))
-                        for n in parse_ints(args.hybrid_min_ngram) or [1] if n != look.min_ngram]
+                        for n in parse_ints(args.hybrid_min_ngram or "") if n != look.min_ngram]
             chosen = [choice.shape.tree, choice.shape, *siblings]
         specs += [s for s in chosen if s not in specs]
     report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], specs, temperatures,
