@@ -172,11 +172,11 @@ def _bench(args, argv: list[str]) -> int:
     specs = [ChainSpec(args.chain if args.chain is not None else 3)] if fixed else []
     if args.tree:
         specs.append(TreeSpec.parse(args.tree))
-    min_ngrams = parse_ints(args.hybrid_min_ngram or "1") or [1]
-    if min(min_ngrams) < 1:
+    given_min_ngrams = parse_ints(args.hybrid_min_ngram) or []
+    if any(n < 1 for n in given_min_ngrams):
         raise UsageError(f"--hybrid-min-ngram takes N >= 1, got {args.hybrid_min_ngram}")
     if args.hybrid is not None:
-        for n in min_ngrams:
+        for n in given_min_ngrams or [1]:
             specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0], n))
     target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
     drafter = load_drafter(args.drafter, target)
@@ -188,7 +188,7 @@ def _bench(args, argv: list[str]) -> int:
         if isinstance(choice.shape, HybridSpec):
             look = choice.shape.lookup
             siblings = [HybridSpec(choice.shape.tree, NgramSpec(look.k, max(look.max_ngram, n), n))
-                        for n in parse_ints(args.hybrid_min_ngram or "") if n != look.min_ngram]
+                        for n in given_min_ngrams if n != look.min_ngram]
             chosen = [choice.shape.tree, choice.shape, *siblings]
         specs += [s for s in chosen if s not in specs]
     report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], specs, temperatures,
