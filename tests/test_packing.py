@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import random_prompts
@@ -15,6 +17,9 @@ from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
 from draftsmith.testing.models import TINY_ARCHITECTURES, build_tiny_model, save_tiny_target, tiny_deepseek_kwargs
 
 pytestmark = pytest.mark.skipif(not packing.packing_available(), reason="torch built without oneDNN")
+# oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT); on an AVX2-only CPU bf16 linears stay plain.
+BF16 = pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
+    not packing.dtype_packable(torch.bfloat16), reason="this CPU cannot pack bf16 weights (AVX2 only)"))
 
 LAYERS = 4
 PREFIX = 30
@@ -81,7 +86,7 @@ def packed_and_plain(arch: str, dtype: torch.dtype, **kw) -> tuple[Target, Targe
     return packed, plain
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), BF16])
 @pytest.mark.parametrize(("arch", "kw"), CASES, ids=CASE_IDS)
 def test_tree_pass_over_a_cache_gives_the_plain_logits(arch, kw, dtype):
     packed, plain = packed_and_plain(arch, dtype, **kw)
@@ -200,13 +205,16 @@ def test_casting_a_packed_model_repacks_in_the_new_dtype():
     assert target.pack() > 0
     target.model.to(torch.bfloat16)
     got = tree_pass(target)
-    assert target.lm_head._packed is not None and target.lm_head._packed.dtype == torch.bfloat16
+    if packing.dtype_packable(torch.bfloat16):
+        assert target.lm_head._packed is not None and target.lm_head._packed.dtype == torch.bfloat16
+    else:  # an AVX2-only CPU: the bf16 weight cannot be packed there, F.linear serves it
+        assert target.lm_head._packed is None
     target.unpack()
     for a, b in zip(got, tree_pass(target), strict=True):
         assert_same_logits(a, b)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), BF16])
 def test_a_drafter_loaded_for_a_packed_target_is_packed_and_drafts_the_same(tmp_path, dtype):
     from draftsmith.model.drafter import KVCache, load_drafter
 
@@ -226,3 +234,30 @@ def test_a_drafter_loaded_for_a_packed_target_is_packed_and_drafts_the_same(tmp_
         assert torch.equal(outs[0], outs[1])
     else:
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_that_cannot_pack_bf16_leaves_bf16_linears_plain_and_the_logits_unchanged(monkeypatch):
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises; packing must skip bf16 there, never crash the load."""
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def avx2_reorder(w, hint):
+        if w.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+                               "avx512bw, avx512vl and avx512dq")
+        return real(w, hint)
+
+    monkeypatch.setattr(packing, "_packs", functools.cache(packing._packs.__wrapped__))  # a fresh probe
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", avx2_reorder)
+    assert packing.dtype_packable(torch.float32) and not packing.dtype_packable(torch.bfloat16)
+    plain = Target(build("qwen2", torch.bfloat16))
+    target = Target(build("qwen2", torch.bfloat16))
+    assert target.pack() == 0
+    cast = Target(build("qwen2"))  # what the dtype chooser does: packed in fp32, then cast to bf16
+    assert cast.pack() > 0
+    cast.model.to(torch.bfloat16)
+    plain_cast = Target(build("qwen2"))
+    plain_cast.model.to(torch.bfloat16)
+    for t, ref in ((target, plain), (cast, plain_cast)):
+        for got, want in zip(tree_pass(t), tree_pass(ref), strict=True):
+            assert torch.equal(got, want)
+    assert cast.lm_head._packed is None

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from draftsmith.model import packing
 from draftsmith.model.packing import packing_available
 from draftsmith.model.target import Target
 from draftsmith.stages import step_config
@@ -15,6 +16,8 @@ from draftsmith.testing.models import build_tiny_model
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packing")
 
 COMBOS = list(itertools.product((torch.float32, torch.bfloat16), (True, False)))
+needs_bf16_packing = pytest.mark.skipif(not packing.dtype_packable(torch.bfloat16),
+                                        reason="this CPU cannot pack bf16 weights (AVX2 only)")
 
 
 def load(dtype: torch.dtype) -> Target:
@@ -40,6 +43,7 @@ def timed(monkeypatch, tmp_path):
     return costs, measured
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("fastest", COMBOS)
 def test_choose_dtype_keeps_the_fastest_of_dtype_and_packing(timed, fastest):
     costs, measured = timed
@@ -59,6 +63,7 @@ def test_choose_dtype_keeps_the_fastest_of_dtype_and_packing(timed, fastest):
     assert measured == [] and (again.dtype, again.packed) == fastest  # read from the cache
 
 
+@needs_bf16_packing
 def test_packing_is_dropped_where_it_steps_slower_and_kept_on_a_tie(timed):
     costs, measured = timed
     target = load(torch.float32)
@@ -83,3 +88,13 @@ def test_the_users_switch_turns_packing_off_and_it_is_never_timed(timed, monkeyp
     target, note = step_config.choose_dtype(plain_load, log=lambda line: None)
     assert not target.packed and all(not packed for _, packed in measured)
     assert "packed" not in note
+
+
+def test_where_bf16_cannot_be_packed_the_chooser_times_it_plain_only(timed, monkeypatch):
+    """An AVX2-only CPU: oneDNN cannot pack bf16, so bf16 is timed unpacked and never reported packed."""
+    costs, measured = timed
+    monkeypatch.setattr(packing, "_packs", lambda dtype: dtype == torch.float32)
+    costs.update({(torch.float32, True): 0.05, (torch.float32, False): 0.06, (torch.bfloat16, False): 0.04})
+    target, note = step_config.choose_dtype(load, log=lambda line: None)
+    assert (target.dtype, target.packed) == (torch.bfloat16, False)
+    assert sorted(measured, key=str) == sorted(costs, key=str) and "prepacked" not in note

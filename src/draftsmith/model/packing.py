@@ -14,6 +14,8 @@ plain ``F.linear``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,24 @@ def packing_available() -> bool:
         return bool(torch.ops.mkldnn._reorder_linear_weight and torch.ops.mkldnn._linear_pointwise)
     except (AttributeError, RuntimeError):
         return False
+
+
+def dtype_packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU: its bf16 path needs AVX-512 (BW/VL/DQ) or
+    AVX-NE-CONVERT and raises on an AVX2-only CPU."""
+    return dtype in _PACKABLE_DTYPES and packing_available() and _packs(dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    """Pack and run a tiny weight once. Cached per process: the answer is the CPU's and the torch build's."""
+    try:
+        w = torch.ones(8, 8, dtype=dtype)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype),
+                                            torch.ops.mkldnn._reorder_linear_weight(w, 2), None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 def _weight_key(w: torch.Tensor) -> tuple:
@@ -60,7 +80,7 @@ class PackedLinear(nn.Linear):
     def repack(self) -> None:
         """(Re)build the packed copy from the current weight, or drop it where packing does not apply."""
         w, b = self.weight, self.bias
-        ok = w.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES and (b is None or b.dtype == w.dtype)
+        ok = w.device.type == "cpu" and dtype_packable(w.dtype) and (b is None or b.dtype == w.dtype)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint) if ok else None
         self._key = _weight_key(w)
 
@@ -84,7 +104,7 @@ def _packable(module: nn.Module) -> bool:
     if type(module) is not nn.Linear:
         return False
     w = module.weight
-    return (w.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES
+    return (w.device.type == "cpu" and dtype_packable(w.dtype)
             and (module.bias is None or module.bias.dtype == w.dtype)
             and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")))
 
@@ -93,8 +113,8 @@ def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
     """Swap every plain CPU fp32/bf16 ``nn.Linear`` for a ``PackedLinear``; return how many were swapped.
 
     Subclasses of ``nn.Linear`` (their forward may differ), hooked modules, other dtypes and devices are left
-    alone, and so is everything where oneDNN is unavailable (returns 0). A module shared by several parents
-    gets one packed copy.
+    alone, and so is everything where oneDNN is unavailable or cannot pack that dtype on this CPU (returns 0).
+    A module shared by several parents gets one packed copy.
     """
     if not packing_available():
         return 0

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from draftsmith.core.machine import cache_get, cache_put
-from draftsmith.model.packing import packing_available
+from draftsmith.model.packing import dtype_packable
 from draftsmith.model.target import Target, packing_wanted
 from draftsmith.stages.shapes import step_time, target_key
 
@@ -25,7 +25,7 @@ PACKABLE = (torch.float32, torch.bfloat16)
 
 def can_pack(target: Target) -> bool:
     return (target.device.type == "cpu" and target.dtype in PACKABLE and packing_wanted()
-            and packing_available())
+            and dtype_packable(target.dtype))
 
 
 def step_times(target: Target) -> dict[str, float]:
