@@ -154,16 +154,17 @@ def test_cache_rollback_equals_cache_of_accepted_tokens(arch):
     ref = target(torch.cat([prefix, tokens[:, path]], 1), cache=ref_cache)
     assert cache.get_seq_length() == ref_cache.get_seq_length() == length + 3
     for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
-        # HF computes RoPE tables in float32 even for fp64 models, hence 1e-6 rather than 1e-10.
+        # HF computes RoPE tables and the eager softmax in float32 even for fp64 models, hence 1e-6, not 1e-10.
         torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-6, rtol=0)
         torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-6, rtol=0)
-    # Tree logits on the accepted path equal sequential logits.
-    torch.testing.assert_close(tree_out.logits[:, path], ref.logits[:, length:], atol=1e-6, rtol=0)
+    # Tree logits on the accepted path equal sequential logits. The float32 softmax sums a different number of
+    # (masked) columns in the two passes, and the error grows through the layers, so the bound is relative.
+    torch.testing.assert_close(tree_out.logits[:, path], ref.logits[:, length:], atol=1e-6, rtol=1e-5)
     # And decoding continues identically from the compacted cache.
     nxt = torch.tensor([[5]])
     a = target(nxt, cache=cache)
     b = target(nxt, cache=ref_cache)
-    torch.testing.assert_close(a.logits, b.logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-6, rtol=1e-5)
 
 
 def test_chain_crop_rollback():
