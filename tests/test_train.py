@@ -473,3 +473,58 @@ def test_train_samples_is_a_nested_random_subset_with_the_same_held_out_split():
     assert max(small) > 300 and min(small) < 100
     with pytest.raises(TrainError, match="train_samples must be >= 0"):
         load_config(None, {"store": "s", "train_samples": -1})
+
+
+def test_the_time_budget_plans_the_most_steps_whose_estimate_fits():
+    """plan_steps on made-up timings: steady steps, the first epoch's one-time argmax, and evaluations."""
+    from draftsmith.stages.train.budget import END_S, MARGIN, Timing, plan_steps
+
+    left = 100 * (1 - MARGIN) - 10 - END_S  # 82 s for steps after a 10 s start
+    plain = Timing(elapsed_s=10, step=5, step_s=1.0, argmax_s_per_token=0.0, uncached_tokens=0,
+                   steps_per_epoch=1000, eval_s=0.0, eval_every=50)
+    assert plan_steps(100, 1000, plain) == 5 + int(left)
+    assert plan_steps(100, 40, plain) == 40  # the budget never adds steps
+    assert plan_steps(1, 1000, plain) == 6  # a spent budget still ends with one step (and its saves)
+    # 41 s of argmax still to do, spread over the first epoch's remaining 100 steps: 1.41 s a step there.
+    first = Timing(10, 5, 1.0, 1e-3, 41_000, 105, 0.0, 50)
+    assert plan_steps(100, 1000, first) == 5 + int(left / 1.41)
+    # an evaluation of 4 s every 10 steps, and one at the end
+    evals = Timing(10, 5, 1.0, 0.0, 0, 1000, 4.0, 10)
+    n = plan_steps(100, 1000, evals)
+    assert (n - 5) + 4 * (n // 10 - 0 + (n % 10 != 0)) <= left < (n + 1 - 5) + 4 * ((n + 1) // 10 + ((n + 1) % 10 != 0))
+
+
+def test_a_time_budget_fixes_the_step_count_once_and_resume_keeps_it(workspace, small_store, tmp_path, monkeypatch):
+    """The plan is made after the warm-up from what was timed, the cosine ends at the planned step, and a run
+    killed after the plan resumes to the same weights as one that was not, whatever budget the resume gives."""
+    from draftsmith.stages.train import loop
+
+    seen: list = []
+
+    def plan(budget_s, max_steps, timing):
+        seen.append((budget_s, max_steps, timing))
+        return 9
+
+    monkeypatch.setattr(loop, "plan_steps", plan)
+
+    def cfg(out, **kw):
+        return _cfg(workspace, out, conversations=None, store=str(small_store), max_steps=30, warmup_steps=5,
+                    **{"max_minutes": 2.0, **kw})
+
+    straight = train(cfg(tmp_path / "a"))
+    assert straight.steps == 9 and len(seen) == 1
+    budget_s, max_steps, timing = seen[0]
+    assert (budget_s, max_steps, timing.step) == (120.0, 30, 5)
+    assert timing.step_s > 0 and timing.elapsed_s > 0 and timing.uncached_tokens > 0  # first epoch not done
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["planned_steps"] for r in rows if "planned_steps" in r] == [9]
+    lrs = [r["lr"] for r in rows if "lr" in r and r["step"] == 9]
+    assert lrs and lrs[-1] == pytest.approx(3e-3 * 0.1)  # decayed to the floor at the planned end
+
+    train(cfg(tmp_path / "b", stop_at_step=7))
+    resumed = train(cfg(tmp_path / "b", resume=True, max_minutes=0.5))
+    assert resumed.steps == 9 and len(seen) == 2  # the resume kept its checkpoint's plan
+    a = load_file(tmp_path / "a" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "final" / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -33,6 +33,9 @@ class TrainConfig:
     epochs: int = 1
     train_samples: int = 0  # 0: every training sample; N: the first N by id hash (data-scaling curves)
     max_steps: int = 0  # 0: as many optimizer steps as `epochs` give
+    # 0: no bound. Else the step count (at most max_steps/epochs') is planned once, after the warm-up, to end
+    # within this many minutes of the run's start (train/budget.py); the checkpoint keeps the plan.
+    max_minutes: float = 0.0
     batch_tokens: int = 2048  # tokens per micro-batch (length-bucketed, right-padded)
     grad_accum: int = 1
     lr: float = 1e-4
@@ -61,7 +64,8 @@ class TrainConfig:
 
 
 # Fields that may change between a run and its resumption (they do not change what is computed).
-_RESUMABLE = {"resume", "stop_at_step", "progress", "plot", "log_every", "force", "device"}
+# max_minutes: a plan, once made, is in the checkpoint; a resume with another budget keeps it.
+_RESUMABLE = {"resume", "stop_at_step", "progress", "plot", "log_every", "force", "device", "max_minutes"}
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
@@ -94,6 +98,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise TrainError("ttt_steps, grad_accum must be >= 1 and batch_tokens >= 2")
     if cfg.teacher_temperature < 0:
         raise TrainError(f"teacher_temperature must be >= 0 (0: one-hot labels), not {cfg.teacher_temperature}")
+    if cfg.max_minutes < 0:
+        raise TrainError(f"max_minutes must be >= 0 (0: no time bound), not {cfg.max_minutes}")
     if cfg.train_samples < 0:
         raise TrainError(f"train_samples must be >= 0 (0: all), not {cfg.train_samples}")
     return cfg

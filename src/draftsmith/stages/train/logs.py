@@ -81,7 +81,7 @@ def plot_run(out: Path) -> Path | None:
     except ImportError:
         return None
     rows = read_metrics(out)
-    train_rows = [r for r in rows if not r.get("eval")]
+    train_rows = [r for r in rows if not r.get("eval") and "loss" in r]  # not the budget plan's row
     eval_rows = [r for r in rows if r.get("eval")]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     if train_rows:

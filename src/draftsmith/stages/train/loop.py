@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from draftsmith.model.ttt import (
     teacher_targets,
     ttt_forward,
 )
+from draftsmith.stages.train.budget import MIN_TIMED_STEPS, Timing, plan_steps
+from draftsmith.stages.train.budget import describe as describe_plan
 from draftsmith.stages.train.checkpoints import save_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import TrainConfig, TrainError
 from draftsmith.stages.train.data import OnlineSource, StoreSource, make_batches
@@ -67,6 +70,10 @@ class Teacher:
         self.temperature = temperature
         self.draft_weight = lm_head[target_ids]
         self._argmax: dict[int, torch.Tensor] = {}
+        self.argmax_s, self.argmax_tokens = 0.0, 0  # first visits' cost, for the time budget (train/budget.py)
+
+    def cached(self, index: int) -> bool:
+        return index in self._argmax
 
     def __call__(self, batch: TTTBatch):
         argmax = None
@@ -74,7 +81,10 @@ class Teacher:
             for row, i in enumerate(batch.indices):
                 if i not in self._argmax:
                     n = int(batch.lengths[row])
+                    t0 = time.perf_counter()
                     self._argmax[i] = target_argmax(batch.hidden_state[row, :n], self.lm_head)
+                    self.argmax_s += time.perf_counter() - t0
+                    self.argmax_tokens += n
             argmax = torch.zeros(batch.input_ids.shape, dtype=torch.long, device=batch.input_ids.device)
             for row, i in enumerate(batch.indices):
                 a = self._argmax[i]
@@ -126,6 +136,37 @@ class Run:
     state: dict
     log: MetricsLog
     bar: object | None  # a tqdm bar on rank 0 when progress is on
+    started: float = 0.0  # perf_counter() when the run began (setup included): the time budget counts from it
+
+
+def _plan_budget(run: Run, session_steps: int, loop_s: float, argmax_s: float, eval_s: float, evals: int) -> None:
+    """Fix ``run.total_steps`` to what fits ``max_minutes`` (train/budget.py), once; the checkpoint keeps it."""
+    cfg, state, lengths = run.cfg, run.state, run.source.lengths
+    step_s = max(1e-6, (loop_s - argmax_s - eval_s) / session_steps)  # eval_s: without its argmax
+    per_token = run.teacher.argmax_s / run.teacher.argmax_tokens if run.teacher.argmax_tokens else 0.0
+    eval_tokens = sum(lengths[i] for i in run.eval_idx)
+    one_eval = eval_s / evals if evals else eval_tokens / cfg.batch_tokens * step_s / 3
+    uncached = sum(lengths[i] for i in [*run.train_idx, *run.eval_idx] if not run.teacher.cached(i))
+    steps_per_epoch = max(1, len(make_batches(run.train_idx, lengths, cfg.batch_tokens, cfg.seed))
+                          // run.world // cfg.grad_accum)
+    timing = Timing(time.perf_counter() - run.started, state["step"], step_s, per_token,
+                    uncached if isinstance(run.source, StoreSource) else 0, steps_per_epoch,
+                    one_eval if run.eval_idx else 0.0, cfg.eval_every)
+    budget_s = cfg.max_minutes * 60
+    planned = plan_steps(budget_s, run.total_steps, timing)
+    if run.world > 1:  # every rank runs rank 0's plan
+        t = torch.tensor([planned])
+        dist.broadcast(t, src=0)
+        planned = int(t.item())
+    state["planned_steps"] = run.total_steps = planned
+    run.sched.lr_lambdas[0].total_steps = planned
+    if run.rank == 0:
+        print(f"train: {describe_plan(planned, cfg.max_steps or planned, budget_s, timing)}", file=sys.stderr,
+              flush=True)
+        run.log.write(step=state["step"], planned_steps=planned, step_s=round(step_s, 4))
+    if run.bar is not None:
+        run.bar.total = planned
+        run.bar.refresh()
 
 
 def train_loop(run: Run) -> dict:
@@ -134,6 +175,7 @@ def train_loop(run: Run) -> dict:
     opt, sched, params, log, bar = run.opt, run.sched, run.params, run.log, run.bar
     last_eval: dict = {}
     tokens_seen, t_start = 0, time.perf_counter()
+    session_steps, eval_s, evals, argmax_s0 = 0, 0.0, 0, run.teacher.argmax_s
     drafter.train()
     while state["step"] < run.total_steps:
         batches = make_batches(run.train_idx, run.source.lengths, cfg.batch_tokens, cfg.seed * 1000 + state["epoch"])
@@ -164,6 +206,11 @@ def train_loop(run: Run) -> dict:
             state["step"] += 1
             state["batch_in_epoch"] += cfg.grad_accum
             step = state["step"]
+            session_steps += 1
+            if (cfg.max_minutes > 0 and "planned_steps" not in state and session_steps >= MIN_TIMED_STEPS
+                    and step >= cfg.warmup_steps):
+                _plan_budget(run, session_steps, time.perf_counter() - t_start, run.teacher.argmax_s - argmax_s0,
+                             eval_s, evals)
             if step % cfg.log_every == 0 or step == run.total_steps:
                 rate = tokens_seen * world / max(time.perf_counter() - t_start, 1e-9)
                 log.write(step=step, elapsed_s=round(time.perf_counter() - t_start, 3),
@@ -176,7 +223,11 @@ def train_loop(run: Run) -> dict:
             if bar is not None:
                 bar.update(1)
             if run.eval_idx and (step % cfg.eval_every == 0 or step == run.total_steps):
+                t_eval, argmax_before = time.perf_counter(), run.teacher.argmax_s
                 last_eval = evaluate(drafter, run.source, run.eval_idx, cfg, run.teacher, device, run.autocast)
+                # without its first visits' argmax, which the teacher's own count holds
+                eval_s += time.perf_counter() - t_eval - (run.teacher.argmax_s - argmax_before)
+                evals += 1
                 log.write(step=step, eval=True, **{k: v for k, v in last_eval.items() if k != "acc"},
                           **{f"eval_acc_{i}": a for i, a in enumerate(last_eval["acc"])})
                 if last_eval["simulated_tau"] > state["best_tau"] and run.rank == 0:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def _lock_out(out: Path, rank: int):
 
 
 def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
+    started = time.perf_counter()
     device = _setup_device(cfg, world)
     dtype = _resolve_dtype(cfg)
     compute_dtype = torch.float32  # master weights; matmuls under bf16 autocast where that pays
@@ -89,6 +91,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     total_steps = _total_steps(cfg, train_idx, source.lengths, world)
     params, opt, sched = _setup_optimizer(cfg, drafter, total_steps, world)
     state = _setup_state(cfg, out, drafter, opt, sched)
+    total_steps = int(state.get("planned_steps", total_steps))  # a time budget's plan (its schedule is restored)
     autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world)
     teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype, cfg.teacher_temperature)
     log = MetricsLog(out, rank)
@@ -100,7 +103,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
 
     bar = progress_bar(cfg, rank, total_steps, state["step"])
     last_eval = train_loop(Run(cfg, out, device, autocast, rank, world, source, train_idx, eval_idx, total_steps,
-                               drafter, teacher, params, opt, sched, state, log, bar))
+                               drafter, teacher, params, opt, sched, state, log, bar, started))
     if bar is not None:
         bar.close()
     if rank == 0:
@@ -236,17 +239,24 @@ def _setup_optimizer(cfg: TrainConfig, drafter: Eagle3Drafter, total_steps: int,
             dist.broadcast(p.data, src=0)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg, total_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
     return params, opt, sched
 
 
-def _lr_lambda(cfg: TrainConfig, total_steps: int):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
+@dataclass
+class WarmupCosine:
+    """Linear warm-up, then cosine to ``min_lr_ratio`` at ``total_steps``. An object, not a closure: LambdaLR
+    checkpoints its fields, so a total fixed later by a time budget (train/budget.py) resumes with the run."""
+
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def _setup_autocast(cfg: TrainConfig, device: torch.device, drafter, heads, source, train_idx: list[int],
