@@ -86,7 +86,10 @@ def test_demo_on_conversations_as_written(tmp_path):
         rows.insert(3, {"id": "eval", "conversations": [{"from": "human", "value": mt}, {"from": "gpt", "value": "x"}]})
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(rows))
-    result = run_demo("tiny", work, target=str(work / "target"), progress=False, data=str(data), max_turns=1)
+    result = run_demo("tiny", work, target=str(work / "target"), progress=False, data=str(data), max_turns=1,
+                      minutes=30)
+    assert result["train_steps"] == PRESETS["tiny"].max_steps  # a roomy budget trains every step
+    assert json.loads((work / "run" / "config.json").read_text())["max_minutes"] >= 29
     assert not (work / "conversations.jsonl").exists() and result["seconds"]["generate"] == 0.0
     store = FeatureStore(work / "store")
     assert len(rows) <= PRESETS["tiny"].conversations  # the preset's limit reads them all
@@ -94,6 +97,18 @@ def test_demo_on_conversations_as_written(tmp_path):
     tok = load_target(work / "target").tokenizer
     assert "second turn" not in tok.decode(store.get_by_id("s0")["input_ids"])
     assert (work / "run" / "best" / "model.safetensors").is_file() and result["bench"]["plain"]["speedup"] == 1.0
+
+
+def test_the_time_budget_leaves_training_what_the_other_stages_do_not_use():
+    from dataclasses import replace
+
+    from draftsmith.app.demo import BENCH_FIXED_S, BENCH_PLAIN_DECODES, EXPORT_S, MIN_TRAIN_MINUTES, train_minutes
+
+    p = replace(PRESETS["default"], minutes=20, bench_datasets=("mt-bench",), bench_limit=8, bench_tokens=200)
+    bench_s = 8 * 200 * 0.05 * BENCH_PLAIN_DECODES + BENCH_FIXED_S  # a 50 ms step
+    assert train_minutes(p, 300, 0.05) == (1200 - 300 - bench_s - EXPORT_S) / 60
+    assert train_minutes(p, 1200, 0.05) == MIN_TRAIN_MINUTES  # already spent: still a short run, not none
+    assert train_minutes(replace(p, minutes=None), 300, 0.05) == 0.0  # no budget: the preset's steps
 
 
 def _has_mtbench() -> bool:

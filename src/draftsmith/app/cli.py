@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: ~20 min on 2 CPU cores; full: longer, best numbers; tiny: seconds (tests)")
     p.add_argument("--workdir", default="runs/demo", help="where every artefact goes (default runs/demo)")
     p.add_argument("--target", default=None, help="override the preset's target (a model dir or 'smollm2')")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="wall-clock budget: training plans its steps to fit what the other stages leave (at most "
+                        "the preset's); 0: no budget, the preset's steps (default: default 20, full 180)")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="generate with vLLM's engine run by this Python (e.g. .venv-vllm/bin/python; `make demo` "
                         "passes it); default: the in-process backend, several times slower")
@@ -123,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from draftsmith.app.demo import run_demo
 
+            if args.minutes is not None and args.minutes < 0:
+                raise UsageError(f"--minutes must be >= 0 (0: no budget), not {args.minutes:g}")
+            extra = {} if args.minutes is None else {"minutes": args.minutes or None}
             run_demo(args.preset, args.workdir, target=args.target, progress=args.progress,
-                     vllm_python=args.vllm_python)
+                     vllm_python=args.vllm_python, **extra)
             return 0
     except USER_ERRORS as e:
         return fail(e)

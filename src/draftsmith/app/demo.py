@@ -48,6 +48,10 @@ class Preset:
     data: str = "self"
     max_turns: int | None = 1
     max_length: int = 2048
+    # Wall-clock budget of the whole run, in minutes (None: none). Machines differ several-fold in seconds per
+    # training step, so training gets what is left after the stages before it and an estimate of the bench
+    # (``bench_seconds``), and plans its step count to fit (train/budget.py; never more than max_steps).
+    minutes: float | None = None
 
 
 PRESETS = {
@@ -59,14 +63,33 @@ PRESETS = {
     # than a few hundred of them (README, the scaling curve). Chain 2 and tree 2,4,6 draft two deep, so TTT
     # unrolls two steps; the bench decodes as far as the answers the drafter learned from.
     "default": Preset("smollm2", 400, 224, 64, 32, 4096, 800, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 4, 6),
-                      data="sharegpt", max_turns=1, max_length=1024),
+                      data="sharegpt", max_turns=1, max_length=1024, minutes=20),
     # More data (whole conversations cut at 1,024 tokens), longer training, five-deep drafting. Hours on 2 CPU
     # cores, within 3 even on one without AMX (README, "The full preset"): training-time test's attention grows
     # with the square of the length, so 2,048-token samples trained at about half the tokens/s; 20 prompts a
     # set keep the bench (every method decodes every prompt) under an hour there.
     "full": Preset("smollm2", 1000, 256, 64, 32, 8192, 1500, 5, 2048, 1e-3, ("mt-bench", "humaneval"), 20, 256, 5,
-                   (4, 6, 16), data="sharegpt", max_turns=None, max_length=1024),
+                   (4, 6, 16), data="sharegpt", max_turns=None, max_length=1024, minutes=180),
 }
+
+#: The bench decodes every prompt with plain decoding and five or six speculative methods, and first measures
+#: the verify curve and calibrates; its minutes are about this many plain decodes of every prompt (an upper
+#: estimate: on the machines measured (README) the bench took 3.5-6.6 of them, plus ~30 s).
+BENCH_PLAIN_DECODES, BENCH_FIXED_S = 6.5, 30.0
+#: What the budget keeps for exporting, and the least training it ever plans for (a budget already spent).
+EXPORT_S, MIN_TRAIN_MINUTES = 10.0, 1.0
+
+
+def bench_seconds(p: Preset, t_step: float) -> float:
+    """The bench stage's expected seconds, from this machine's 1-token step (``t_step``) and the preset's prompts."""
+    return len(p.bench_datasets) * p.bench_limit * p.bench_tokens * t_step * BENCH_PLAIN_DECODES + BENCH_FIXED_S
+
+
+def train_minutes(p: Preset, spent_s: float, t_step: float) -> float:
+    """The minutes of ``p.minutes`` left to training after ``spent_s`` and the bench's estimate; 0: no budget."""
+    if not p.minutes:
+        return 0.0
+    return max(MIN_TRAIN_MINUTES, (p.minutes * 60 - spent_s - bench_seconds(p, t_step) - EXPORT_S) / 60)
 
 
 def _stage(name: str) -> float:
@@ -142,13 +165,23 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     print(cap.summary(), file=sys.stderr)
     times["capture"] = time.perf_counter() - t
 
-    t = _stage(f"3/5 train: {p.max_steps} steps, ttt_steps={p.ttt_steps}")
     run_dir = work / "run"
+    budget = 0.0
+    if p.minutes and not (run_dir / "final" / "model.safetensors").is_file():
+        from draftsmith.stages.shapes import step_time
+
+        t_step = step_time(tgt)
+        budget = train_minutes(p, time.perf_counter() - t0, t_step)
+        print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
+              f"~{bench_seconds(p, t_step) / 60:.1f} kept for the bench (a step takes {1e3 * t_step:.1f} ms here), "
+              f"{budget:.1f} for training", file=sys.stderr)
+    t = _stage(f"3/5 train: {p.max_steps} steps" + (f" or what fits {budget:.1f} min" if budget else "")
+               + f", ttt_steps={p.ttt_steps}")
     cfg = load_config(None, dict(target=target_path, store=str(work / "store"), out=str(run_dir),
                                  max_steps=p.max_steps, ttt_steps=p.ttt_steps, batch_tokens=p.batch_tokens,
                                  max_length=p.max_length,
                                  lr=p.lr, eval_every=max(10, p.max_steps // 5), save_every=max(10, p.max_steps // 5),
-                                 warmup_steps=max(2, p.max_steps // 20), progress=progress))
+                                 warmup_steps=max(2, p.max_steps // 20), max_minutes=budget, progress=progress))
     if (run_dir / "final" / "model.safetensors").is_file():
         print(f"already trained: {run_dir / 'final'}", file=sys.stderr)
     else:
@@ -176,6 +209,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         "workdir": str(work), "target": target_path,
         "drafter": str(run_dir / "best"), "export": str(export_dir),
         "simulated_acceptance_length": best_eval.get("simulated_tau"),
+        "train_steps": _trained_steps(run_dir),
         "bench": {name: {"acceptance_length": m["acceptance_length"], "speedup": m["speedup"]}
                   for name, m in headline.items()},
         "bench_files": {k: str(v) for k, v in paths.items()},
@@ -186,6 +220,15 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     (work / "summary.json").write_text(json.dumps(result, indent=2))
     print_summary(result, (work / "bench" / "bench.txt").read_text())
     return result
+
+
+def _trained_steps(run_dir: Path) -> int | None:
+    """The steps the run trained (a time budget may have planned fewer than the preset's), from its checkpoint."""
+    latest = run_dir / "checkpoints" / "latest"
+    try:
+        return int(latest.read_text().strip().removeprefix("step-"))
+    except (OSError, ValueError):
+        return None
 
 
 def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, out: Path, progress: bool,
