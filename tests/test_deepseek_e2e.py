@@ -382,6 +382,7 @@ def _compare(target_dir: Path, prompts, run: dict, states_file: Path) -> dict:
     n = cfg["num_hidden_layers"]
     rel = [0.0] * n
     dlogprob, agree, total, flips, routed, flip_margins, margins = 0.0, 0, 0, 0, 0, [], []
+    first_margins: list[float] = []
     for p, gen, lps, states, router in zip(prompts, run["tokens"], run["logprobs"], saved["states"],
                                            saved["router_logits"], strict=True):
         seq = p + gen
@@ -396,6 +397,7 @@ def _compare(target_dir: Path, prompts, run: dict, states_file: Path) -> dict:
         dlogprob = max(dlogprob, (hf_lp - torch.tensor(lps, dtype=torch.float64)).abs().max().item())
         agree += int((lp.argmax(-1)[len(p) - 1:] == torch.tensor(gen)).sum())
         total += len(gen)
+        where = []  # (token, layer, margin) of each flip in this sequence
         for i, logits in router.items():
             bias = model.model.layers[i].mlp.gate.e_score_correction_bias.float()
             mine, margin = _route(hf_router[i][:length], bias, cfg)
@@ -405,10 +407,15 @@ def _compare(target_dir: Path, prompts, run: dict, states_file: Path) -> dict:
             routed += length
             flip_margins += margin[flipped].tolist()
             margins += margin.tolist()
+            where += [(t, i, margin[t].item()) for t in flipped.nonzero().flatten().tolist()]
+        # a flip at (t, L) is a first flip when no flip at an earlier layer of token t or of a token before it
+        # (through attention) had already changed what layer L of token t reads; later ones are consequences
+        first_margins += [m for t, i, m in where if not any(t2 <= t and i2 < i for t2, i2, _ in where)]
     margins.sort()
     return {"max_rel_state_error_per_layer": [float(f"{x:.3g}") for x in rel],
             "max_abs_logprob_diff": float(f"{dlogprob:.3g}"), "greedy_agreement": f"{agree}/{total}",
             "routing_flips": f"{flips}/{routed}", "max_margin_at_flip": max(flip_margins, default=None),
+            "first_flips": len(first_margins), "max_margin_at_first_flip": max(first_margins, default=None),
             "median_margin": margins[len(margins) // 2] if margins else None}
 
 
@@ -434,7 +441,8 @@ def test_engine_states_match_capture(e2e):
 
     * fp32 (CPU_MLA) with a config that says what transformers computes: rounding only (~1e-6).
     * bf16 (AMX_MLA or CPU_MLA; the only dtype EAGLE-3 runs in here): ~1% per token, more on the few
-      tokens whose expert selection flips (router logits in bf16, margins below ~1e-3).
+      tokens whose expert selection flips: first near-ties (router logits in bf16), then tokens that
+      read a flipped token's changed output.
     * The same weights with config fields vLLM reads differently from transformers (both fp32):
       ``scoring_func`` absent (vLLM: softmax routing; transformers: always sigmoid) and
       ``rope_interleave: false`` (vLLM's MLA always applies interleaved rope): 1e-2-level differences.
@@ -459,10 +467,13 @@ def test_engine_states_match_capture(e2e):
     assert fp32["routing_flips"].startswith("0/")
     assert max(bf16["max_rel_state_error_per_layer"][:2]) < 5e-2, bf16  # before routing flips compound
     flips = int(bf16["routing_flips"].split("/")[0])
-    assert flips == 0 or bf16["max_margin_at_flip"] < 1e-2, bf16  # only near-ties flip
+    # only near-ties flip first (the rest follow from a first flip's changed output); how near depends on the
+    # CPU's bf16 kernels, so the bound is loose
+    assert flips == 0 or bf16["max_margin_at_first_flip"] < 1e-2, bf16
     no_sf = out["fp32_no_scoring_func"]["max_rel_state_error_per_layer"]
     assert no_sf[1] < 1e-4 < 1e-3 < no_sf[2]  # layer 0 dense, layer 1 the first MoE layer: differs from there
     assert out["fp32_no_scoring_func"]["max_abs_logprob_diff"] > 1e-3
+    assert out["fp32_no_scoring_func"]["max_margin_at_first_flip"] > 1e-2  # another router: not near-ties
     assert out["fp32_rope_interleave_false"]["max_rel_state_error_per_layer"][1] > 1e-3  # attention of layer 0
 
 

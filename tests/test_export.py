@@ -506,7 +506,7 @@ _VLLM_SERVE_SCRIPT = textwrap.dedent("""
     from vllm.inputs import TokensPrompt
     target, drafter, fmt, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     common = dict(dtype="float32", skip_tokenizer_init=True, enforce_eager=True, max_model_len=256, seed=0,
-                  gpu_memory_utilization=0.1, disable_log_stats=False)
+                  kv_cache_memory_bytes=256 << 20, disable_log_stats=False)
     if fmt == "speculators":
         llm = LLM(model=drafter, **common)
     else:

@@ -30,7 +30,7 @@ def try_case(case: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     kw = dict(dtype=case.get("dtype", "bfloat16"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
-              seed=0, gpu_memory_utilization=0.1, max_num_seqs=1)
+              seed=0, kv_cache_memory_bytes=256 << 20, max_num_seqs=1)
     if case.get("attention_backend"):
         kw["attention_config"] = {"backend": case["attention_backend"]}
     if case.get("drafter"):

@@ -34,7 +34,7 @@ def main() -> None:
         from vllm.inputs import TokensPrompt
 
         kw = dict(dtype=args.get("dtype", "bfloat16"), skip_tokenizer_init=True, enforce_eager=True,
-                  max_model_len=int(args.get("max_model_len", 512)), seed=0, gpu_memory_utilization=0.1,
+                  max_model_len=int(args.get("max_model_len", 512)), seed=0, kv_cache_memory_bytes=256 << 20,
                   disable_log_stats=False, max_num_seqs=int(args.get("max_num_seqs", 1)))
         if args.get("attention_backend"):
             kw["attention_config"] = {"backend": args["attention_backend"]}

@@ -67,7 +67,7 @@ def run_one(run: dict, prompts: list[list[int]], max_tokens: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     kw = dict(dtype=run.get("dtype", "float32"), skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=int(run.get("max_model_len", 512)), seed=0, gpu_memory_utilization=0.1, max_num_seqs=1)
+              max_model_len=int(run.get("max_model_len", 512)), seed=0, kv_cache_memory_bytes=256 << 20, max_num_seqs=1)
     if run.get("attention_backend"):
         kw["attention_config"] = {"backend": run["attention_backend"]}
     llm = LLM(model=run["target"], **kw)
