@@ -9,9 +9,9 @@ import torch
 
 from draftsmith.model import packing
 from draftsmith.model.packing import packing_available
-from draftsmith.model.target import Target
+from draftsmith.model.target import Target, load_target
 from draftsmith.stages import step_config
-from draftsmith.testing.models import build_tiny_model
+from draftsmith.testing.models import build_tiny_model, save_tiny_target
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packing")
 
@@ -98,3 +98,24 @@ def test_where_bf16_cannot_be_packed_the_chooser_times_it_plain_only(timed, monk
     target, note = step_config.choose_dtype(load, log=lambda line: None)
     assert (target.dtype, target.packed) == (torch.bfloat16, False)
     assert sorted(measured, key=str) == sorted(costs, key=str) and "prepacked" not in note
+
+
+def test_capture_takes_a_float32_copy_only_where_its_long_pass_is_faster(tmp_path):
+    """bfloat16 can win the 1-token step where the CPU emulates bf16 dot products and lose a long pass there."""
+    from draftsmith.stages.step_config import bulk_pass_time, choose_bulk_dtype
+
+    path = save_tiny_target(tmp_path / "t")
+    bf16 = load_target(str(path), dtype=torch.bfloat16)
+    loads = []
+
+    def load(dt):
+        loads.append(dt)
+        return load_target(str(path), dtype=dt)
+
+    slow_bf16 = choose_bulk_dtype(bf16, load, lambda t: 1.0 if t.dtype == torch.bfloat16 else 0.5, log=print)
+    assert slow_bf16.dtype == torch.float32 and slow_bf16 is not bf16 and loads == [torch.float32]
+    fast_bf16 = choose_bulk_dtype(bf16, load, lambda t: 0.5 if t.dtype == torch.bfloat16 else 1.0, log=print)
+    assert fast_bf16 is bf16
+    fp32 = load_target(str(path), dtype=torch.float32)
+    assert choose_bulk_dtype(fp32, load, lambda t: 1 / 0) is fp32  # nothing to choose: no probe, no copy
+    assert bulk_pass_time(fp32, tokens=8) > 0

@@ -111,7 +111,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     from draftsmith.stages.export import export_drafter
     from draftsmith.stages.generate.config import GenerateConfig
     from draftsmith.stages.generate.run import generate
-    from draftsmith.stages.step_config import choose_dtype
+    from draftsmith.stages.step_config import choose_bulk_dtype, choose_dtype
     from draftsmith.stages.train.config import load_config
     from draftsmith.stages.train.run import train
 
@@ -158,11 +158,13 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         times["generate"] = 0.0
 
     t = _stage("2/5 capture: aux hidden states into the feature store")
-    cap = capture(tgt, tgt.tokenizer, CaptureConfig(conversations=conversations, out=work / "store",
+    cap_tgt = choose_bulk_dtype(tgt, lambda dt: load_target(target_path, dtype=dt)) if p.dtype == "auto" else tgt
+    cap = capture(cap_tgt, tgt.tokenizer, CaptureConfig(conversations=conversations, out=work / "store",
                                                     target=target_path, draft_vocab_size=p.draft_vocab_size,
                                                     limit=limit, max_turns=max_turns, max_length=p.max_length,
                                                     progress=progress))
     print(cap.summary(), file=sys.stderr)
+    del cap_tgt
     times["capture"] = time.perf_counter() - t
 
     run_dir = work / "run"

@@ -11,6 +11,7 @@ Times are cached per machine, target and dtype (core/machine.py), so later runs 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -108,3 +109,38 @@ def load_target_for(path: str, device: str = "cpu", dtype: str | None = None, au
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+BULK_TOKENS = 128
+
+
+@torch.no_grad()
+def bulk_pass_time(target: Target, tokens: int = BULK_TOKENS) -> float:
+    """Seconds of one cache-free forward over ``tokens`` tokens (the better of two, after a warm-up)."""
+    ids = (torch.arange(tokens, device=target.device) % 100).unsqueeze(0)
+    best = float("inf")
+    for i in range(3):
+        t = time.perf_counter()
+        target.model(input_ids=ids, use_cache=False)
+        if i:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def choose_bulk_dtype(target: Target, load: Callable[[torch.dtype], Target],
+                      time_pass: Callable[[Target], float] = bulk_pass_time,
+                      log: Callable[[str], None] | None = None) -> Target:
+    """The target for capture's long passes: ``target`` itself, or a float32 copy where that is faster.
+
+    A 1-token step is bound by reading the weights, so bfloat16 can win it on a CPU that emulates bf16 dot
+    products (AVX2 only), while a long pass there is compute-bound and many times slower in bf16.
+    """
+    if target.device.type != "cpu" or target.dtype != torch.bfloat16:
+        return target
+    t_bf16 = time_pass(target)
+    other = load(torch.float32)
+    t_fp32 = time_pass(other)
+    pick = other if t_fp32 < t_bf16 else target
+    (log or _stderr)(f"capture in {str(pick.dtype).removeprefix('torch.')}: a {BULK_TOKENS}-token pass takes "
+                     f"{1e3 * t_bf16:.0f} ms in bfloat16, {1e3 * t_fp32:.0f} ms in float32")
+    return pick
