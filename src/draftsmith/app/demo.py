@@ -111,7 +111,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     from draftsmith.stages.export import export_drafter
     from draftsmith.stages.generate.config import GenerateConfig
     from draftsmith.stages.generate.run import generate
-    from draftsmith.stages.step_config import choose_bulk_dtype, choose_dtype
+    from draftsmith.stages.step_config import choose_bulk_dtype, choose_dtype, step_times
     from draftsmith.stages.train.config import load_config
     from draftsmith.stages.train.run import train
 
@@ -170,9 +170,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     run_dir = work / "run"
     budget = 0.0
     if p.minutes and not (run_dir / "final" / "model.safetensors").is_file():
-        from draftsmith.stages.shapes import step_time
-
-        t_step = step_time(tgt)
+        t_step = step_times(tgt)["packed" if tgt.packed else "plain"]  # measured by choose_dtype: cached
         budget = train_minutes(p, time.perf_counter() - t0, t_step)
         print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
               f"~{bench_seconds(p, t_step) / 60:.1f} kept for the bench (a step takes {1e3 * t_step:.1f} ms here), "
