@@ -84,7 +84,7 @@ def one_pass(target: Target, cache, ids: torch.Tensor, k, prefix: int, tree) -> 
 
 def curve(target: Target, ids: torch.Tensor, prefix: int, reps: int) -> tuple[dict, dict]:
     switch = Switch(target)
-    variants = {"plain": False, "packed": True}
+    variants = {"plain": False, "packed": True} if switch.slots else {"plain": False}
     cache = target.new_cache()
     target(ids[:, :prefix], cache=cache, logits_to_keep=1)
     tree = tree_inputs(target.dtype, prefix)
@@ -103,6 +103,8 @@ def curve(target: Target, ids: torch.Tensor, prefix: int, reps: int) -> tuple[di
                 one_pass(target, cache, ids, k, prefix, tree)
                 times.setdefault(name, {}).setdefault(str(k), []).append((time.perf_counter() - t0) * 1e3)
     switch(True)
+    if not switch.slots:
+        return times, {}
     diffs = {str(k): {"max_abs": (logits["packed", k].float() - logits["plain", k].float()).abs().max().item(),
                       "argmax_differs": int((logits["packed", k].argmax(-1) != logits["plain", k].argmax(-1)).sum())}
              for k in ks}
@@ -125,6 +127,9 @@ def report(dtype: str, times: dict, diffs: dict) -> None:
             med, spread = summary(v)
             cells.append(f"k={k}: {med:6.1f} ({spread:4.0%}) [{med / base:4.2f}|{med / own:4.2f}]")
         print(f"  {name:7s}" + "  ".join(cells))
+    if not diffs:
+        print("  (nothing packed: oneDNN cannot pack this dtype on this CPU)")
+        return
     worst = max(d["max_abs"] for d in diffs.values())
     flips = sum(d["argmax_differs"] for d in diffs.values())
     print(f"  packed vs plain logits: max |diff| {worst:.3g}, argmax differs at {flips} positions")
@@ -147,10 +152,8 @@ def main() -> int:
     for dtype in args.dtypes.split(","):
         t0 = time.perf_counter()
         target = load_target(args.target, dtype=getattr(torch, dtype), pack=True)
-        if not Switch(target).slots:
-            print(f"{dtype}: nothing packed (no oneDNN, or not a CPU fp32/bf16 target); skipped")
-            continue
-        print(f"{dtype}: loaded and packed in {time.perf_counter() - t0:.1f} s", flush=True)
+        packed = "packed" if Switch(target).slots else "nothing packed"
+        print(f"{dtype}: loaded ({packed}) in {time.perf_counter() - t0:.1f} s", flush=True)
         ids = target.tokenizer(TEXT * 20, return_tensors="pt").input_ids[:, : args.prefix + 16]
         times, diffs = curve(target, ids, args.prefix, args.reps)
         report(dtype, times, diffs)
