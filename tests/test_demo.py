@@ -100,15 +100,54 @@ def test_demo_on_conversations_as_written(tmp_path):
 
 
 def test_the_time_budget_leaves_training_what_the_other_stages_do_not_use():
-    from dataclasses import replace
+    from draftsmith.app.demo_budget import EXPORT_S, MIN_TRAIN_MINUTES, train_minutes
 
-    from draftsmith.app.demo import BENCH_FIXED_S, BENCH_PLAIN_DECODES, EXPORT_S, MIN_TRAIN_MINUTES, train_minutes
+    assert train_minutes(20, 300, 200) == (1200 - 300 - 200 - EXPORT_S) / 60
+    assert train_minutes(20, 1200, 200) == MIN_TRAIN_MINUTES  # already spent: still a short run, not none
+    assert train_minutes(None, 300, 200) == 0.0  # no budget: the preset's steps
 
-    p = replace(PRESETS["default"], minutes=20, bench_datasets=("mt-bench",), bench_limit=8, bench_tokens=200)
-    bench_s = 8 * 200 * 0.05 * BENCH_PLAIN_DECODES + BENCH_FIXED_S  # a 50 ms step
-    assert train_minutes(p, 300, 0.05) == (1200 - 300 - bench_s - EXPORT_S) / 60
-    assert train_minutes(p, 1200, 0.05) == MIN_TRAIN_MINUTES  # already spent: still a short run, not none
-    assert train_minutes(replace(p, minutes=None), 300, 0.05) == 0.0  # no budget: the preset's steps
+
+def _rates(step_s: float, per_token_s: float, tok_s: float, records: list[int]):
+    from draftsmith.app.demo_budget import Rates
+    from draftsmith.stages.shapes import VerifyCost
+
+    verify = {n: step_s + (n - 1) * per_token_s for n in (1, 4, 11)}
+    return Rates(VerifyCost(step_s, verify), tok_s, records)
+
+
+def test_the_budget_cuts_capture_and_bench_only_where_they_would_not_fit():
+    from draftsmith.app.demo_budget import (
+        BENCH_SHARE,
+        CAPTURE_SHARE,
+        MIN_BENCH_PROMPTS,
+        MIN_BENCH_TOKENS,
+        MIN_CONVERSATIONS,
+        bench_seconds,
+        plan,
+        verified_per_method,
+    )
+
+    methods = verified_per_method(2, 6)
+    assert methods == [3, 6, 4, 11]
+    records = [500] * 400
+    # A fast machine: cheap verify passes, fast capture. Nothing is cut.
+    fast = _rates(0.02, 0.001, 2000, records)
+    sizes = plan(20, 400, 8, 192, methods, fast)
+    assert (sizes.conversations, sizes.bench_limit, sizes.bench_tokens, sizes.cuts) == (400, 8, 192, ())
+    assert sizes.capture_s == 400 * 500 / 2000
+    # A slow one (emulated bf16: each extra token of a pass costs a third of a step; capture 350 tok/s).
+    slow = _rates(0.04, 0.014, 350, records)
+    assert bench_seconds(slow, 8, 192, methods) > BENCH_SHARE * 1200  # the preset's bench would not fit
+    sizes = plan(20, 400, 8, 192, methods, slow)
+    assert MIN_CONVERSATIONS <= sizes.conversations < 400 and len(sizes.cuts) == 2
+    assert sizes.capture_s <= CAPTURE_SHARE * 1200 < sizes.capture_s + 500 / 350  # the most that fits
+    assert sizes.bench_s <= BENCH_SHARE * 1200 or (sizes.bench_limit, sizes.bench_tokens) == (MIN_BENCH_PROMPTS,
+                                                                                              MIN_BENCH_TOKENS)
+    assert sizes.bench_limit < 8
+    # No budget: the preset as it is, however slow.
+    assert plan(None, 400, 8, 192, methods, slow).cuts == ()
+    # Where capture reads what generation wrote (no record sizes), only the bench may be cut.
+    assert plan(20, 400, 8, 192, methods, _rates(0.04, 0.014, 350, [])).conversations == 400
 
 
 def _has_mtbench() -> bool:

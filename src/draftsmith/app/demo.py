@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from draftsmith.app.demo_budget import Plan, Rates, plan, train_minutes, verified_per_method
 from draftsmith.core.errors import UsageError
 
 
@@ -72,26 +73,6 @@ PRESETS = {
                    (4, 6, 16), data="sharegpt", max_turns=None, max_length=1024, minutes=180),
 }
 
-#: The bench decodes every prompt with plain decoding and five or six speculative methods, and first measures
-#: the verify curve and calibrates; its minutes are about this many plain decodes of every prompt (an upper
-#: estimate: on the machines measured (README) the bench took 3.5-6.6 of them, plus ~30 s).
-BENCH_PLAIN_DECODES, BENCH_FIXED_S = 6.5, 30.0
-#: What the budget keeps for exporting, and the least training it ever plans for (a budget already spent).
-EXPORT_S, MIN_TRAIN_MINUTES = 10.0, 1.0
-
-
-def bench_seconds(p: Preset, t_step: float) -> float:
-    """The bench stage's expected seconds, from this machine's 1-token step (``t_step``) and the preset's prompts."""
-    return len(p.bench_datasets) * p.bench_limit * p.bench_tokens * t_step * BENCH_PLAIN_DECODES + BENCH_FIXED_S
-
-
-def train_minutes(p: Preset, spent_s: float, t_step: float) -> float:
-    """The minutes of ``p.minutes`` left to training after ``spent_s`` and the bench's estimate; 0: no budget."""
-    if not p.minutes:
-        return 0.0
-    return max(MIN_TRAIN_MINUTES, (p.minutes * 60 - spent_s - bench_seconds(p, t_step) - EXPORT_S) / 60)
-
-
 def _stage(name: str) -> float:
     print(f"\n== {name} ==", file=sys.stderr, flush=True)
     return time.perf_counter()
@@ -111,7 +92,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     from draftsmith.stages.export import export_drafter
     from draftsmith.stages.generate.config import GenerateConfig
     from draftsmith.stages.generate.run import generate
-    from draftsmith.stages.step_config import choose_bulk_dtype, choose_dtype, step_times
+    from draftsmith.stages.step_config import bulk_pass_time, choose_bulk_dtype, choose_dtype
     from draftsmith.stages.train.config import load_config
     from draftsmith.stages.train.run import train
 
@@ -158,11 +139,20 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         times["generate"] = 0.0
 
     t = _stage("2/5 capture: aux hidden states into the feature store")
-    cap_tgt = choose_bulk_dtype(tgt, lambda dt: load_target(target_path, dtype=dt)) if p.dtype == "auto" else tgt
-    cap = capture(cap_tgt, tgt.tokenizer, CaptureConfig(conversations=conversations, out=work / "store",
-                                                    target=target_path, draft_vocab_size=p.draft_vocab_size,
-                                                    limit=limit, max_turns=max_turns, max_length=p.max_length,
-                                                    progress=progress))
+    passes: dict = {}
+
+    def time_pass(target) -> float:
+        passes[target.dtype] = bulk_pass_time(target)
+        return passes[target.dtype]
+
+    load = lambda dt: load_target(target_path, dtype=dt)  # noqa: E731
+    cap_tgt = choose_bulk_dtype(tgt, load, time_pass) if p.dtype == "auto" else tgt
+    cap_cfg = CaptureConfig(conversations=conversations, out=work / "store", target=target_path,
+                            draft_vocab_size=p.draft_vocab_size, limit=limit, max_turns=max_turns,
+                            max_length=p.max_length, progress=progress)
+    sizes = demo_plan(p, work, tgt, cap_tgt, passes.get(cap_tgt.dtype), cap_cfg if limit is not None else None)
+    cap_cfg = replace(cap_cfg, limit=sizes.conversations if limit is not None else None)
+    cap = capture(cap_tgt, tgt.tokenizer, cap_cfg)
     print(cap.summary(), file=sys.stderr)
     del cap_tgt
     times["capture"] = time.perf_counter() - t
@@ -170,11 +160,9 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     run_dir = work / "run"
     budget = 0.0
     if p.minutes and not (run_dir / "final" / "model.safetensors").is_file():
-        t_step = step_times(tgt)["packed" if tgt.packed else "plain"]  # measured by choose_dtype: cached
-        budget = train_minutes(p, time.perf_counter() - t0, t_step)
+        budget = train_minutes(p.minutes, time.perf_counter() - t0, sizes.bench_s)
         print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
-              f"~{bench_seconds(p, t_step) / 60:.1f} kept for the bench (a step takes {1e3 * t_step:.1f} ms here), "
-              f"{budget:.1f} for training", file=sys.stderr)
+              f"~{sizes.bench_s / 60:.1f} kept for the bench, {budget:.1f} for training", file=sys.stderr)
     t = _stage(f"3/5 train: {p.max_steps} steps" + (f" or what fits {budget:.1f} min" if budget else "")
                + f", ttt_steps={p.ttt_steps}")
     cfg = load_config(None, dict(target=target_path, store=str(work / "store"), out=str(run_dir),
@@ -194,10 +182,12 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     export_drafter(run_dir / "best", export_dir, "vllm", dtype="bf16", overwrite=True)
     times["export"] = time.perf_counter() - t
 
-    t = _stage(f"5/5 bench on {', '.join(p.bench_datasets)} ({p.bench_limit} prompts, first turn)")
+    p_bench = replace(p, bench_limit=sizes.bench_limit, bench_tokens=sizes.bench_tokens)
+    t = _stage(f"5/5 bench on {', '.join(p.bench_datasets)} ({p_bench.bench_limit} prompts x "
+               f"{p_bench.bench_tokens} tokens, first turn)")
     del tgt  # the bench loads its own copy in a fresh process
-    report, paths = bench_in_fresh_process(target_path, str(dtype).removeprefix("torch."), run_dir / "best", p,
-                                           work / "bench", progress, conversations)
+    report, paths = bench_in_fresh_process(target_path, str(dtype).removeprefix("torch."), run_dir / "best",
+                                           p_bench, work / "bench", progress, conversations)
     times["bench"] = time.perf_counter() - t
 
     best_eval = json.loads((run_dir / "best" / "eval.json").read_text()) if (run_dir / "best" / "eval.json").is_file() \
@@ -210,6 +200,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         "drafter": str(run_dir / "best"), "export": str(export_dir),
         "simulated_acceptance_length": best_eval.get("simulated_tau"),
         "train_steps": _trained_steps(run_dir),
+        "plan": sizes.to_dict(),
         "bench": {name: {"acceptance_length": m["acceptance_length"], "speedup": m["speedup"]}
                   for name, m in headline.items()},
         "bench_files": {k: str(v) for k, v in paths.items()},
@@ -220,6 +211,60 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     (work / "summary.json").write_text(json.dumps(result, indent=2))
     print_summary(result, (work / "bench" / "bench.txt").read_text())
     return result
+
+
+def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | None, cap_cfg) -> Plan:
+    """The store's and the bench's sizes for this machine (``demo_budget.plan``), decided once per workdir.
+
+    ``cap_pass_s``: a long pass of ``cap_target``, if already timed; ``cap_cfg``: capture's config where it
+    reads records as written (None: it reads what generation wrote, all of it).
+
+    A rerun reads ``plan.json`` instead of measuring again, so a resumed capture stops where the first run
+    meant to, whatever this run's timings say.
+    """
+    from draftsmith.core.io import atomic_write
+    from draftsmith.stages.shapes import measure_verify_cost
+    from draftsmith.stages.step_config import BULK_TOKENS
+
+    path = work / "plan.json"
+    key = asdict(p)
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("settings") == json.loads(json.dumps(key)):
+            d = saved["plan"]
+            return Plan(d["conversations"], d["bench_limit"], d["bench_tokens"], d["capture_s"], d["bench_s"],
+                        tuple(d["cuts"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
+    cost = measure_verify_cost(target, None, ks=tuple(sorted({1, 4, *methods})), reps=5)
+    from draftsmith.stages.capture import record_tokens
+    from draftsmith.stages.step_config import bulk_pass_time
+
+    records = record_tokens(cap_cfg, target.tokenizer) if cap_cfg is not None else []
+    rates = Rates(cost, BULK_TOKENS / (cap_pass_s or bulk_pass_time(cap_target)), records,
+                  plain_decode_s_per_token(target))
+    sizes = plan(p.minutes, p.conversations, p.bench_limit, p.bench_tokens, methods, rates)
+    for line in sizes.cuts:
+        print(f"time budget {p.minutes:g} min: {line}", file=sys.stderr)
+    atomic_write(path, json.dumps({"settings": key, "plan": sizes.to_dict()}, indent=1).encode())
+    return sizes
+
+
+def plain_decode_s_per_token(target, short: int = 8, long: int = 56) -> float:
+    """Seconds a token of plain greedy decoding, end to end: two decodes of one prompt, their difference
+    over the extra tokens (the prompt's prefill cancels)."""
+    from draftsmith.stages.decode import SpeculativeDecoder
+    from draftsmith.stages.shapes import calibration_prompts
+
+    prompt = calibration_prompts(target.tokenizer)[0] if target.tokenizer is not None else [1, 2, 3]
+    decoder = SpeculativeDecoder(target, None, None)
+    took = {}
+    for n in (short, long):
+        t = time.perf_counter()
+        decoder.generate(prompt, n)  # no stop tokens: exactly n
+        took[n] = time.perf_counter() - t
+    return max(took[long] - took[short], 1e-9) / (long - short)
 
 
 def _trained_steps(run_dir: Path) -> int | None:

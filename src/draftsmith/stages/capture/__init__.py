@@ -44,6 +44,7 @@ from draftsmith.stages.capture.common import (
     VocabReport,
     capture_with,
     errors_path,
+    record_tokens,
     store_meta,
 )
 from draftsmith.stages.capture.hf import SampleFeatures, _plan_batches, batched_features, capture, run_capture
@@ -69,6 +70,7 @@ __all__ = [
     "check_store_matches_target",
     "count_store_tokens",
     "errors_path",
+    "record_tokens",
     "options_from_args",
     "run_capture",
     "run_capture_vllm",

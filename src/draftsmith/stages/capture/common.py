@@ -260,6 +260,27 @@ def read_conversations(config: CaptureConfig):
         yield line_no, first_turns(item, config.max_turns) if isinstance(item, Conversation) else item
 
 
+def record_tokens(config: CaptureConfig, tokenizer: Any) -> list[int]:
+    """Tokens capture would store for each record it reads, in order, up to ``config.limit`` (0: one it skips).
+
+    What a budget needs to size capture before running it: tokenizing is a small fraction of a forward pass.
+    """
+    out: list[int] = []
+    for _, item in read_conversations(config):
+        if config.limit is not None and len(out) >= config.limit:
+            break
+        if isinstance(item, Exception):  # a record capture reports and skips
+            out.append(0)
+            continue
+        try:
+            ids = tokenize_conversation(tokenizer, item.messages, config.max_length,
+                                        truncate=config.long == "truncate").input_ids
+        except ValueError:  # skipped by capture too (too long, nothing to learn from, a template error)
+            ids = []
+        out.append(len(ids))
+    return out
+
+
 def _count_records(path: Path, limit: int | None) -> int:
     if path.suffix == ".json":  # an array has no lines to count: the limit is the total, else one parsing pass
         return limit if limit is not None else sum(1 for _ in read_records(path))
