@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from draftsmith.app.demo import PRESETS, run_demo
@@ -89,6 +90,7 @@ def test_demo_on_conversations_as_written(tmp_path):
     result = run_demo("tiny", work, target=str(work / "target"), progress=False, data=str(data), max_turns=1,
                       minutes=30)
     assert result["train_steps"] == PRESETS["tiny"].max_steps  # a roomy budget trains every step
+    assert result["plan"]["cuts"] == [] and (work / "plan.json").is_file()  # nothing to cut on a tiny model
     assert json.loads((work / "run" / "config.json").read_text())["max_minutes"] >= 29
     assert not (work / "conversations.jsonl").exists() and result["seconds"]["generate"] == 0.0
     store = FeatureStore(work / "store")
@@ -148,6 +150,21 @@ def test_the_budget_cuts_capture_and_bench_only_where_they_would_not_fit():
     assert plan(None, 400, 8, 192, methods, slow).cuts == ()
     # Where capture reads what generation wrote (no record sizes), only the bench may be cut.
     assert plan(20, 400, 8, 192, methods, _rates(0.04, 0.014, 350, [])).conversations == 400
+
+
+def test_the_plan_is_decided_once_per_workdir(tmp_path):
+    """A rerun reads plan.json, so a resumed capture stops where the first run meant to; new settings replan."""
+    from dataclasses import replace
+
+    from draftsmith.app.demo import demo_plan
+
+    target = load_target(save_tiny_target(tmp_path / "t"))
+    p = replace(PRESETS["tiny"], minutes=20)
+    first = demo_plan(p, tmp_path, target, target, 0.01, None)
+    assert first.conversations == p.conversations and first.bench_s > 0
+    assert demo_plan(p, tmp_path, None, None, None, None) == first  # nothing measured: no target needed
+    with pytest.raises(AttributeError):  # other settings: measured again (here on no target at all)
+        demo_plan(replace(p, minutes=5), tmp_path, None, None, None, None)
 
 
 def _has_mtbench() -> bool:

@@ -198,13 +198,35 @@ def test_calibration_follows_the_runs_length(model_dir, capsys, tmp_path, monkey
 
 def test_cli_shape_auto_chooses_the_dtype_and_measures_once(model_dir, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    calibrated = []
+    real = shapes.calibrate_acceptance
+    monkeypatch.setattr(shapes, "calibrate_acceptance", lambda *a, **k: calibrated.append(1) or real(*a, **k))
     report, err = _decode(capsys, model_dir, "--random-drafter", "--shape", "auto")
-    assert "a step takes" in err and "ms in float32" in err and "ms in bfloat16" in err
+    line = next(x for x in err.splitlines() if x.startswith("shape: "))
+    assert "expected fastest" in line and "float32" in line and "bfloat16" in line
+    assert report["auto_shape"]["dtype"].startswith("dtype ")
     files = sorted(p.name.split("-")[0] for p in (tmp_path / "shapes").iterdir())
-    assert files == ["step", "step", "verify"]  # a step time per dtype; a random drafter keys no acceptance
+    # A step time and a verify curve per dtype; a random drafter keys no acceptance.
+    assert files == ["step", "step", "verify", "verify"]
+    assert calibrated == [1]  # acceptance is the drafter's: calibrated in one dtype, used for both
     stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "shapes").iterdir()}
     _decode(capsys, model_dir, "--random-drafter", "--shape", "auto")
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "shapes").iterdir()} == stamp  # read, not re-measured
+
+
+def test_the_dtype_is_the_one_whose_best_shape_decodes_fastest():
+    """Where bf16 is emulated it wins the step and loses the verify pass; tokens a second decide, not the step."""
+    from draftsmith.stages.shapes import Choice
+    from draftsmith.stages.step_config import faster_dtype
+
+    bf16_step, fp32_step = VerifyCost(0.040, {1: 0.040}), VerifyCost(0.060, {1: 0.060})
+    plain = Choice(None, 1.0, "no shape pays")
+    chain = Choice(ChainSpec(3), 1.8, "expected 1.80x")  # 30 tok/s in fp32 against 25 plain in bf16
+    assert faster_dtype({torch.bfloat16: (plain, bf16_step), torch.float32: (chain, fp32_step)}) == torch.float32
+    weak = Choice(ChainSpec(1), 1.4, "expected 1.40x")  # 23.3 tok/s: bf16's plain step is faster
+    assert faster_dtype({torch.bfloat16: (plain, bf16_step), torch.float32: (weak, fp32_step)}) == torch.bfloat16
+    # Nothing pays in either: the faster step.
+    assert faster_dtype({torch.float32: (plain, fp32_step), torch.bfloat16: (plain, bf16_step)}) == torch.bfloat16
 
 
 def test_cli_shape_auto_needs_a_drafter(model_dir, capsys):

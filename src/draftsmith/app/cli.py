@@ -156,8 +156,7 @@ def _bench(args, argv: list[str]) -> int:
     )
     from draftsmith.model.drafter import load_drafter
     from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, TreeSpec
-    from draftsmith.stages.shapes import print_choice
-    from draftsmith.stages.step_config import load_target_for
+    from draftsmith.stages.step_config import choose_for_drafting, load_target_for
 
     try:
         temperatures = [float(t) for t in args.temperature.split(",")]
@@ -184,9 +183,13 @@ def _bench(args, argv: list[str]) -> int:
     if args.hybrid is not None:
         for n in given_min_ngrams or [1]:
             specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0], n))
-    target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
-    drafter = load_drafter(args.drafter, target)
-    choice = print_choice(target, drafter, args.drafter, note, args.max_new_tokens) if args.shape else None
+    if args.shape:
+        target, drafter, choice, note = choose_for_drafting(
+            args.target, lambda t: load_drafter(args.drafter, t), args.drafter, args.device, args.dtype,
+            parse_ints(args.aux_layers), args.max_new_tokens)
+    else:
+        target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers))
+        drafter, choice = load_drafter(args.drafter, target), None
     if choice is not None and choice.shape is not None:
         # A chosen hybrid is measured with its bare tree too, so the table shows what lookup's branch adds, and
         # with its siblings at --hybrid-min-ngram's other N (the cost model weighs those on calibration text only).
@@ -201,7 +204,7 @@ def _bench(args, argv: list[str]) -> int:
                        limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        prompt_lookup_ks=lookup_ks, progress=args.progress,
                        train_conversations=args.train_conversations)
-    report.update({"auto_shape": choice.to_dict()} if choice else {})
+    report.update({"auto_shape": {**choice.to_dict(), "dtype": note}} if choice else {})
     paths = write_report(report, args.out)
     if args.readme:
         update_readme(args.readme, report, "draftsmith " + shlex.join(argv), args.readme_section)
@@ -229,8 +232,7 @@ def _decode(args) -> int:
 
     from draftsmith.model.drafter import load_drafter, new_drafter
     from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
-    from draftsmith.stages.shapes import print_choice
-    from draftsmith.stages.step_config import load_target_for
+    from draftsmith.stages.step_config import choose_for_drafting, load_target_for
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -244,13 +246,17 @@ def _decode(args) -> int:
         spec = NgramSpec(args.prompt_lookup)
     if args.hybrid is not None:
         spec = HybridSpec.parse(args.tree, args.hybrid or 3, args.hybrid_min_ngram)
-    target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers), args.shape)
-    drafter = None
-    if args.drafter:
-        drafter = load_drafter(args.drafter, target)
-    elif args.random_drafter:
-        drafter = new_drafter(target)
-    choice = print_choice(target, drafter, args.drafter, note, args.max_new_tokens) if args.shape else None
+    def make_drafter(target):
+        return load_drafter(args.drafter, target) if args.drafter else new_drafter(target)
+
+    if args.shape:
+        target, drafter, choice, note = choose_for_drafting(args.target, make_drafter, args.drafter, args.device,
+                                                            args.dtype, parse_ints(args.aux_layers),
+                                                            args.max_new_tokens)
+    else:
+        target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers))
+        drafter = make_drafter(target) if args.drafter or args.random_drafter else None
+        choice = None
     if choice is not None:
         spec, drafter = (choice.shape, drafter) if choice.shape is not None else (spec, None)
     tok = target.tokenizer
@@ -266,7 +272,7 @@ def _decode(args) -> int:
     if args.json:
         report = {"text": text, **result.to_dict(),
                   "mode": "plain" if not use_spec else type(spec).__name__.removesuffix("Spec").lower(),
-                  **({"auto_shape": choice.to_dict()} if choice else {})}
+                  **({"auto_shape": {**choice.to_dict(), "dtype": note}} if choice else {})}
         print(json.dumps(report))
     else:
         print(text)

@@ -40,7 +40,8 @@ class Preset:
     chain: int
     tree: tuple[int, int, int] | None  # None: bench the chain only
     # The target's compute dtype for every stage; bench compares plain and EAGLE-3 in it. auto: whichever of
-    # float32 / bfloat16 runs a 1-token step faster on this machine (measured once, cached).
+    # float32 / bfloat16 runs a 1-token step faster on this machine (measured once, cached), a long pass
+    # faster for capture, and for the bench the one whose best shape decodes fastest.
     dtype: str = "auto"
     # Training data. "self": the target writes questions and answers them (`generate --self-prompt`). Else a
     # conversations source for capture as written ("sharegpt", or a JSONL / JSON-array path): no generation;
@@ -186,8 +187,9 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     t = _stage(f"5/5 bench on {', '.join(p.bench_datasets)} ({p_bench.bench_limit} prompts x "
                f"{p_bench.bench_tokens} tokens, first turn)")
     del tgt  # the bench loads its own copy in a fresh process
-    report, paths = bench_in_fresh_process(target_path, str(dtype).removeprefix("torch."), run_dir / "best",
-                                           p_bench, work / "bench", progress, conversations)
+    bench_dtype = None if p.dtype == "auto" else str(dtype).removeprefix("torch.")  # auto: bench picks by speed
+    report, paths = bench_in_fresh_process(target_path, bench_dtype, run_dir / "best", p_bench, work / "bench",
+                                           progress, conversations)
     times["bench"] = time.perf_counter() - t
 
     best_eval = json.loads((run_dir / "best" / "eval.json").read_text()) if (run_dir / "best" / "eval.json").is_file() \
@@ -276,13 +278,14 @@ def _trained_steps(run_dir: Path) -> int | None:
         return None
 
 
-def bench_in_fresh_process(target: str, dtype: str, drafter: Path, p: Preset, out: Path, progress: bool,
+def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Preset, out: Path, progress: bool,
                            conversations: Path) -> tuple[dict, dict[str, Path]]:
     """`draftsmith bench` in a child process: decoding measured in the process that trained ran slower,
-    and plain and speculative decoding slowed unequally (README, Performance)."""
+    and plain and speculative decoding slowed unequally (README, Performance). ``dtype`` None: bench
+    chooses it with the shape, by expected decoding speed."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "draftsmith.cli", "bench", "--target", target, "--dtype", dtype,
+    cmd = [sys.executable, "-m", "draftsmith.cli", "bench", "--target", target, *(["--dtype", dtype] if dtype else []),
            "--drafter", str(drafter), "--datasets", ",".join(p.bench_datasets), "--limit", str(p.bench_limit),
            "--turns", "1", "--max-new-tokens", str(p.bench_tokens), "--chain", str(p.chain), "--out", str(out),
            "--shape", "auto",  # also the shape chosen for this machine from its measured costs

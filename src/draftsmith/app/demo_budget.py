@@ -27,8 +27,9 @@ TAU_GUESS = 1.3
 #: Prompt lookup lengths the demo's bench runs (bench_in_fresh_process), and its calibration prompts.
 LOOKUP_KS, CALIBRATION_PROMPTS = (3, 10), 4
 #: Verify-curve points bench measures (``shapes.DEFAULT_KS`` up to the largest candidate), chain and tree
-#: masks, warm-up plus five reps each: their sum of tokens, for the curve's share of the bench.
-CURVE_TOKENS, CURVE_RUNS = 1 + 2 + 3 + 4 + 6 + 8 + 10 + 12 + 16 + 24 + 32 + 48 + 64 + 76, 2 * 6
+#: masks, warm-up plus five reps each, in both dtypes where it chooses one: their sum of tokens, for the
+#: curve's share of the bench (counted at this dtype's cost).
+CURVE_TOKENS, CURVE_RUNS = 1 + 2 + 3 + 4 + 6 + 8 + 10 + 12 + 16 + 24 + 32 + 48 + 64 + 76, 2 * 6 * 2
 #: What the budget keeps for exporting and for the bench's loading, and the least training it plans.
 EXPORT_S, BENCH_FIXED_S, MIN_TRAIN_MINUTES = 10.0, 30.0, 1.0
 
@@ -93,7 +94,7 @@ def plan(minutes: float | None, conversations: int, bench_limit: int, bench_toke
          rates: Rates) -> Plan:
     """The preset's sizes, cut down where capture or the bench would take more than its share of ``minutes``."""
     cuts: list[str] = []
-    n = min(conversations, len(rates.record_tokens)) or conversations
+    n = available = min(conversations, len(rates.record_tokens)) or conversations
     prompts, tokens = bench_limit, bench_tokens
     if minutes:
         budget = minutes * 60
@@ -101,8 +102,8 @@ def plan(minutes: float | None, conversations: int, bench_limit: int, bench_toke
         full = capture_seconds(rates, n)
         while n > MIN_CONVERSATIONS and capture_seconds(rates, n) > cap_share:
             n -= 1
-        if n < conversations:
-            cuts.append(f"capture {n} of {conversations} conversations (all of them: ~{full / 60:.1f} min at "
+        if n < available:
+            cuts.append(f"capture {n} of {available} conversations (all of them: ~{full / 60:.1f} min at "
                         f"{rates.capture_tok_s:.0f} tok/s, over its {cap_share / 60:.1f})")
         full = bench_seconds(rates, prompts, tokens, methods)
         while prompts > MIN_BENCH_PROMPTS and bench_seconds(rates, prompts, tokens, methods) > bench_share:

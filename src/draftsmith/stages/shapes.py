@@ -14,7 +14,6 @@ import hashlib
 import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -547,8 +546,12 @@ def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, p
 # --- the whole decision ------------------------------------------------------------------------------------
 def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
                candidates: Sequence[Shape] = DEFAULT_CANDIDATES, prompts: Sequence[Sequence[int]] | None = None,
-               reps: int = 5, calibrate: dict | None = None) -> tuple[Choice, VerifyCost, Acceptance]:
-    """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json."""
+               reps: int = 5, calibrate: dict | None = None, acceptance: Acceptance | None = None
+               ) -> tuple[Choice, VerifyCost, Acceptance]:
+    """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json.
+
+    ``acceptance``: already known (the same drafter calibrated in another dtype): only the curve is measured.
+    """
     max_depth = max(draft_depth(c) for c in candidates)
     trees = [tree_of(c) for c in candidates if tree_of(c) is not None]
     max_k = max((t.top_k for t in trees), default=1)
@@ -556,10 +559,10 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     top = max(verified_tokens(c) for c in candidates)
     ks = [k for k in DEFAULT_KS if k < top] + [top]  # the rest is interpolated
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
-    acc = None
-    if prompts is None and target.tokenizer is not None:
+    acc = acceptance
+    if acc is None and prompts is None and target.tokenizer is not None:
         prompts = calibration_prompts(target.tokenizer)
-    if prompts:
+    if acc is None and prompts:
         acc, _ = cached_acceptance(target, drafter, drafter_dir, prompts, depth=max_depth, top_k=max_k,
                                    **(calibrate or {}))
     if (acc is None or not any(acc.ranks)) and drafter_dir is not None:
@@ -578,16 +581,3 @@ def calibration_tokens(max_new_tokens: int | None) -> int:
     if not max_new_tokens:
         return CALIBRATION_TOKENS
     return max(CALIBRATION_MIN_TOKENS, min(int(max_new_tokens), CALIBRATION_MAX_TOKENS))
-
-
-def print_choice(target: Target, drafter, drafter_dir: str | Path | None, dtype_note: str = "",
-                 max_new_tokens: int | None = None) -> Choice:
-    """``auto_shape``, calibrated at the run's length, with its one-line answer on stderr (what and why)."""
-    calibrate = {"max_new_tokens": calibration_tokens(max_new_tokens)}
-    choice = auto_shape(target, drafter, drafter_dir, calibrate=calibrate)[0]
-    _stderr(describe(choice, dtype_note))
-    return choice
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

@@ -5,7 +5,9 @@ products (avx512_bf16, AMX) and slower where it emulates them. oneDNN-prepacked 
 make the step and the k-token verify pass cheaper on some CPUs and the 1-token step slower on others, in
 some dtypes (README, Performance). So each is timed on a 1-token step, the unit plain decoding repeats and
 every speedup is measured against, and the faster kept; the verify curve is then measured on what was kept.
-Times are cached per machine, target and dtype (core/machine.py), so later runs only read them.
+With a drafter and ``--shape auto`` the dtype is instead the one whose best shape decodes fastest
+(``choose_for_drafting``): a verify pass is not a step. Times are cached per machine, target and dtype
+(core/machine.py), so later runs only read them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from draftsmith.core.machine import cache_get, cache_put
 from draftsmith.model.packing import dtype_packable
 from draftsmith.model.target import Target, packing_wanted
-from draftsmith.stages.shapes import step_time, target_key
+from draftsmith.stages.shapes import Choice, VerifyCost, step_time, target_key
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -105,6 +107,55 @@ def load_target_for(path: str, device: str = "cpu", dtype: str | None = None, au
         return choose_dtype(load, device, log=lambda line: None)
     target = load(getattr(torch, dtype) if dtype else None)
     return target, choose_packing(target)
+
+
+def faster_dtype(options: dict[torch.dtype, tuple[Choice, VerifyCost]]) -> torch.dtype:
+    """The dtype whose best shape is expected to emit the most tokens a second: its speedup over its own
+    step, over that step's seconds. Plain decoding everywhere: the dtype with the faster step."""
+    return max(options, key=lambda dt: options[dt][0].speedup / options[dt][1].t_step)
+
+
+def choose_for_drafting(path: str, make_drafter: Callable[[Target], object], drafter_dir: str | None,
+                        device: str = "cpu", dtype: str | None = None, aux_layers=None,
+                        max_new_tokens: int | None = None, log: Callable[[str], None] | None = None
+                        ) -> tuple[Target, object, Choice, str]:
+    """(target, drafter, the shape that pays, a note on the dtype): ``--shape auto`` from end to end.
+
+    With no ``dtype`` on a CPU, float32 and bfloat16 each get their best shape and the one expected to decode
+    faster is kept. The 1-token step alone can pick wrong: where bf16 is emulated (AVX2 only) it wins the
+    step, bound by reading the weights, and loses every k-token verify pass, which is compute-bound. The
+    drafter's acceptance is calibrated once and used for both.
+    """
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.shapes import auto_shape, calibration_tokens, describe, shape_name
+
+    log = log or _stderr
+    calibrate = {"max_new_tokens": calibration_tokens(max_new_tokens)}
+    target, note = load_target_for(path, device, dtype, aux_layers, auto=True)
+    drafter = make_drafter(target)
+    choice, cost, acc = auto_shape(target, drafter, drafter_dir, calibrate=calibrate)
+    if dtype or target.device.type != "cpu" or target.dtype not in PACKABLE:
+        log(describe(choice, note))
+        return target, drafter, choice, note
+    other = load_target(path, device=device, dtype=next(dt for dt in PACKABLE if dt != target.dtype),
+                        aux_layers=aux_layers)
+    apply_packing(other, step_times(other))
+    other_drafter = make_drafter(other)
+    other_choice, other_cost, _ = auto_shape(other, other_drafter, drafter_dir, acceptance=acc)
+    options = {target.dtype: (choice, cost), other.dtype: (other_choice, other_cost)}
+    pick = faster_dtype(options)
+    if pick == other.dtype:
+        target, drafter, choice = other, other_drafter, other_choice
+
+    def line(dt: torch.dtype) -> str:
+        c, k = options[dt]
+        return (f"{str(dt).removeprefix('torch.')} {shape_name(c.shape)} {c.speedup / k.t_step:.1f} tok/s "
+                f"({c.speedup:.2f}x a {1e3 * k.t_step:.1f} ms step)")
+
+    note = (f"dtype {str(pick).removeprefix('torch.')}{', prepacked linears' if target.packed else ''}, "
+            f"expected fastest: {line(pick)} against {line(next(dt for dt in options if dt != pick))}")
+    log(describe(choice, note))
+    return target, drafter, choice, note
 
 
 def _stderr(line: str) -> None:
