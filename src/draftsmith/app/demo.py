@@ -225,24 +225,20 @@ def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | Non
     meant to, whatever this run's timings say.
     """
     from draftsmith.core.io import atomic_write
+    from draftsmith.stages.capture import record_tokens
     from draftsmith.stages.shapes import measure_verify_cost
-    from draftsmith.stages.step_config import BULK_TOKENS
+    from draftsmith.stages.step_config import BULK_TOKENS, bulk_pass_time
 
     path = work / "plan.json"
     key = asdict(p)
     try:
         saved = json.loads(path.read_text())
         if saved.get("settings") == json.loads(json.dumps(key)):
-            d = saved["plan"]
-            return Plan(d["conversations"], d["bench_limit"], d["bench_tokens"], d["capture_s"], d["bench_s"],
-                        tuple(d["cuts"]))
+            return Plan.from_dict(saved["plan"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
     cost = measure_verify_cost(target, None, ks=tuple(sorted({1, 4, *methods})), reps=5)
-    from draftsmith.stages.capture import record_tokens
-    from draftsmith.stages.step_config import bulk_pass_time
-
     records = record_tokens(cap_cfg, target.tokenizer) if cap_cfg is not None else []
     rates = Rates(cost, BULK_TOKENS / (cap_pass_s or bulk_pass_time(cap_target)), records,
                   plain_decode_s_per_token(target))

@@ -13,7 +13,7 @@ prompts and then shorter answers, never below a floor. Training gets what is lef
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from draftsmith.stages.shapes import VerifyCost
 
@@ -66,9 +66,11 @@ class Plan:
     cuts: tuple[str, ...] = ()  # what was cut and why, one line each
 
     def to_dict(self) -> dict:
-        return {"conversations": self.conversations, "bench_limit": self.bench_limit,
-                "bench_tokens": self.bench_tokens, "capture_s": self.capture_s, "bench_s": self.bench_s,
-                "cuts": list(self.cuts)}
+        return {**asdict(self), "cuts": list(self.cuts)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(**{**d, "cuts": tuple(d["cuts"])})
 
 
 def verified_per_method(chain: int, tree_tokens: int | None) -> list[int]:

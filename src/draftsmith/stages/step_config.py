@@ -21,7 +21,16 @@ import torch
 from draftsmith.core.machine import cache_get, cache_put
 from draftsmith.model.packing import dtype_packable
 from draftsmith.model.target import Target, packing_wanted
-from draftsmith.stages.shapes import Choice, VerifyCost, step_time, target_key
+from draftsmith.stages.shapes import (
+    Choice,
+    VerifyCost,
+    auto_shape,
+    calibration_tokens,
+    describe,
+    shape_name,
+    step_time,
+    target_key,
+)
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -127,7 +136,6 @@ def choose_for_drafting(path: str, make_drafter: Callable[[Target], object], dra
     drafter's acceptance is calibrated once and used for both.
     """
     from draftsmith.model.target import load_target
-    from draftsmith.stages.shapes import auto_shape, calibration_tokens, describe, shape_name
 
     log = log or _stderr
     calibrate = {"max_new_tokens": calibration_tokens(max_new_tokens)}
