@@ -146,6 +146,10 @@ def test_the_budget_cuts_capture_and_bench_only_where_they_would_not_fit():
     assert sizes.bench_s <= BENCH_SHARE * 1200 or (sizes.bench_limit, sizes.bench_tokens) == (MIN_BENCH_PROMPTS,
                                                                                               MIN_BENCH_TOKENS)
     assert sizes.bench_limit < 8
+    # Two prompt sets (the full preset's MT-bench and HumanEval) decode twice the prompts: a smaller cut each.
+    middling = _rates(0.02, 0.004, 2000, records)
+    one, two = plan(20, 400, 8, 192, methods, middling), plan(20, 400, 8, 192, methods, middling, datasets=2)
+    assert one.cuts == () and two.bench_limit < 8
     # No budget: the preset as it is, however slow.
     assert plan(None, 400, 8, 192, methods, slow).cuts == ()
     # Where capture reads what generation wrote (no record sizes), only the bench may be cut.

@@ -242,7 +242,8 @@ def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | Non
     records = record_tokens(cap_cfg, target.tokenizer) if cap_cfg is not None else []
     rates = Rates(cost, BULK_TOKENS / (cap_pass_s or bulk_pass_time(cap_target)), records,
                   plain_decode_s_per_token(target))
-    sizes = plan(p.minutes, p.conversations, p.bench_limit, p.bench_tokens, methods, rates)
+    sizes = plan(p.minutes, p.conversations, p.bench_limit, p.bench_tokens, methods, rates,
+                 datasets=len(p.bench_datasets))
     for line in sizes.cuts:
         print(f"time budget {p.minutes:g} min: {line}", file=sys.stderr)
     atomic_write(path, json.dumps({"settings": key, "plan": sizes.to_dict()}, indent=1).encode())

@@ -78,11 +78,11 @@ def verified_per_method(chain: int, tree_tokens: int | None) -> list[int]:
     return [chain + 1, *([tree_tokens] if tree_tokens else []), *(k + 1 for k in LOOKUP_KS)]
 
 
-def bench_seconds(rates: Rates, prompts: int, tokens: int, methods: Sequence[int]) -> float:
-    """Plain decoding of every prompt, each speculative method at ``TAU_GUESS`` tokens a pass of its size,
-    the calibration decodes (chain 3), and the verify curve's measurement."""
+def bench_seconds(rates: Rates, prompts: int, tokens: int, methods: Sequence[int], datasets: int = 1) -> float:
+    """Plain decoding of every prompt (``prompts`` in each of ``datasets``), each speculative method at
+    ``TAU_GUESS`` tokens a pass of its size, the calibration decodes (chain 3), and the verify curve's measurement."""
     per_token = [rates.pass_s(n) / TAU_GUESS for n in methods]
-    decodes = prompts * tokens * (rates.t_step + sum(per_token)) * rates.overhead
+    decodes = datasets * prompts * tokens * (rates.t_step + sum(per_token)) * rates.overhead
     calibration = CALIBRATION_PROMPTS * tokens * rates.pass_s(4) / TAU_GUESS * rates.overhead
     curve = CURVE_RUNS * CURVE_TOKENS / 76 * rates.pass_s(76)
     return decodes + calibration + curve + BENCH_FIXED_S
@@ -93,7 +93,7 @@ def capture_seconds(rates: Rates, conversations: int) -> float:
 
 
 def plan(minutes: float | None, conversations: int, bench_limit: int, bench_tokens: int, methods: Sequence[int],
-         rates: Rates) -> Plan:
+         rates: Rates, datasets: int = 1) -> Plan:
     """The preset's sizes, cut down where capture or the bench would take more than its share of ``minutes``."""
     cuts: list[str] = []
     n = available = min(conversations, len(rates.record_tokens)) or conversations
@@ -107,18 +107,22 @@ def plan(minutes: float | None, conversations: int, bench_limit: int, bench_toke
         if n < available:
             cuts.append(f"capture {n} of {available} conversations (all of them: ~{full / 60:.1f} min at "
                         f"{rates.capture_tok_s:.0f} tok/s, over its {cap_share / 60:.1f})")
-        full = bench_seconds(rates, prompts, tokens, methods)
-        while prompts > MIN_BENCH_PROMPTS and bench_seconds(rates, prompts, tokens, methods) > bench_share:
+        def bench_s(prompts: int, tokens: int) -> float:
+            return bench_seconds(rates, prompts, tokens, methods, datasets)
+
+        full = bench_s(prompts, tokens)
+        while prompts > MIN_BENCH_PROMPTS and bench_s(prompts, tokens) > bench_share:
             prompts -= 1
-        while tokens > MIN_BENCH_TOKENS and bench_seconds(rates, prompts, tokens, methods) > bench_share:
+        while tokens > MIN_BENCH_TOKENS and bench_s(prompts, tokens) > bench_share:
             tokens = max(MIN_BENCH_TOKENS, tokens - 16)
         if (prompts, tokens) != (bench_limit, bench_tokens):
-            cuts.append(f"bench {prompts} prompts x {tokens} tokens (the preset's {bench_limit} x {bench_tokens}: "
+            cuts.append(f"bench {prompts} prompts a set x {tokens} tokens (the preset's {bench_limit} x "
+                        f"{bench_tokens}: "
                         f"~{full / 60:.1f} min, over its {bench_share / 60:.1f}; a step takes "
                         f"{1e3 * rates.t_step:.1f} ms, a {methods[0]}-token pass "
                         f"{rates.pass_s(methods[0]) / rates.t_step:.2f}x that)")
-    return Plan(n, prompts, tokens, capture_seconds(rates, n), bench_seconds(rates, prompts, tokens, methods),
-                tuple(cuts))
+    return Plan(n, prompts, tokens, capture_seconds(rates, n),
+                bench_seconds(rates, prompts, tokens, methods, datasets), tuple(cuts))
 
 
 def train_minutes(minutes: float | None, spent_s: float, bench_s: float) -> float:
