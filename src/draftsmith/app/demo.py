@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from draftsmith.app.demo_budget import Plan, Rates, plan, train_minutes, verified_per_method
+from draftsmith.app.demo_budget import LOOKUP_KS, Plan, Rates, plan, train_minutes, verified_per_method
 from draftsmith.core.errors import UsageError
 
 
@@ -286,7 +286,8 @@ def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Pre
            "--drafter", str(drafter), "--datasets", ",".join(p.bench_datasets), "--limit", str(p.bench_limit),
            "--turns", "1", "--max-new-tokens", str(p.bench_tokens), "--chain", str(p.chain), "--out", str(out),
            "--shape", "auto",  # also the shape chosen for this machine from its measured costs
-           "--prompt-lookup", "3,10",  # the free baseline short and long: an auto hybrid may graft a long lookup
+           # the free baseline short and long: an auto hybrid may graft a long lookup
+           "--prompt-lookup", ",".join(str(k) for k in LOOKUP_KS),
            "--train-conversations", str(conversations)]
     if p.tree:  # the preset's tree; --shape auto adds the hybrid that pays here, with its bare tree
         cmd += ["--tree", ",".join(str(x) for x in p.tree)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from draftsmith.stages.shapes import VerifyCost
+from draftsmith.stages.shapes import VerifyCost, curve_ks
 
 #: The most of the budget capture and the bench may each take before they are cut down.
 CAPTURE_SHARE, BENCH_SHARE = 0.3, 0.3
@@ -26,10 +26,9 @@ MIN_CONVERSATIONS, MIN_BENCH_PROMPTS, MIN_BENCH_TOKENS = 100, 4, 128
 TAU_GUESS = 1.3
 #: Prompt lookup lengths the demo's bench runs (bench_in_fresh_process), and its calibration prompts.
 LOOKUP_KS, CALIBRATION_PROMPTS = (3, 10), 4
-#: Verify-curve points bench measures (``shapes.DEFAULT_KS`` up to the largest candidate), chain and tree
-#: masks, warm-up plus five reps each, in both dtypes where it chooses one: their sum of tokens, for the
-#: curve's share of the bench (counted at this dtype's cost).
-CURVE_TOKENS, CURVE_RUNS = 1 + 2 + 3 + 4 + 6 + 8 + 10 + 12 + 16 + 24 + 32 + 48 + 64 + 76, 2 * 6 * 2
+#: Bench measures its verify curve (``shapes.curve_ks``) with chain and tree masks, warm-up plus five reps each,
+#: in both dtypes where it chooses one (counted at this dtype's cost).
+CURVE_RUNS = 2 * 6 * 2
 #: What the budget keeps for exporting and for the bench's loading, and the least training it plans.
 EXPORT_S, BENCH_FIXED_S, MIN_TRAIN_MINUTES = 10.0, 30.0, 1.0
 
@@ -84,7 +83,8 @@ def bench_seconds(rates: Rates, prompts: int, tokens: int, methods: Sequence[int
     per_token = [rates.pass_s(n) / TAU_GUESS for n in methods]
     decodes = datasets * prompts * tokens * (rates.t_step + sum(per_token)) * rates.overhead
     calibration = CALIBRATION_PROMPTS * tokens * rates.pass_s(4) / TAU_GUESS * rates.overhead
-    curve = CURVE_RUNS * CURVE_TOKENS / 76 * rates.pass_s(76)
+    ks = curve_ks()
+    curve = CURVE_RUNS * sum(ks) / ks[-1] * rates.pass_s(ks[-1])
     return decodes + calibration + curve + BENCH_FIXED_S
 
 

@@ -544,6 +544,12 @@ def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, p
 
 
 # --- the whole decision ------------------------------------------------------------------------------------
+def curve_ks(candidates: Sequence[Shape] = DEFAULT_CANDIDATES) -> list[int]:
+    """The verify-curve points ``auto_shape`` measures: ``DEFAULT_KS`` up to the largest candidate's pass."""
+    top = max(verified_tokens(c) for c in candidates)
+    return [k for k in DEFAULT_KS if k < top] + [top]  # the rest is interpolated
+
+
 def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
                candidates: Sequence[Shape] = DEFAULT_CANDIDATES, prompts: Sequence[Sequence[int]] | None = None,
                reps: int = 5, calibrate: dict | None = None, acceptance: Acceptance | None = None
@@ -556,8 +562,7 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     trees = [tree_of(c) for c in candidates if tree_of(c) is not None]
     max_k = max((t.top_k for t in trees), default=1)
     widths = sorted({1, *(t.top_k for t in trees)})
-    top = max(verified_tokens(c) for c in candidates)
-    ks = [k for k in DEFAULT_KS if k < top] + [top]  # the rest is interpolated
+    ks = curve_ks(candidates)
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
     acc = acceptance
     if acc is None and prompts is None and target.tokenizer is not None:
