@@ -215,6 +215,33 @@ def test_max_tokens_per_batch_bounds_padding(tiny: dict[str, Any], tmp_path: Pat
     assert r.counts.captured == len(CAPTURABLE)
 
 
+def test_the_progress_bar_counts_tokens_so_its_eta_holds(tiny: dict[str, Any], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches run longest first, so a bar over records ran ahead of the work. Over tokens, the total is known
+    before the first batch (one window here) and the count ends on it: the rate, and so the ETA, is the work's.
+    With two windows, the first window's tokens per record estimate the total before the second is read."""
+    from draftsmith.stages.capture import common
+
+    seen: list[tuple[int, int | None, int]] = []
+
+    class Recorded(common._Progress):
+        def update(self, records: int, captured: int, tokens: int) -> None:
+            super().update(records, captured, tokens)
+            seen.append((self.bar.n, self.bar.total, self.records))
+
+    monkeypatch.setattr(common, "_Progress", Recorded)
+    r = capture(tiny["target"], tiny["tok"], cfg(tiny, tmp_path / "one", progress=True, draft_vocab_size=None))
+    prefills = [(n, total) for n, total, _ in seen if n]
+    assert prefills and all(total == r.tokens for _, total in prefills)  # known before the first batch ran
+    assert seen[-1][0] == r.tokens and seen[-1][2] == r.counts.records  # ends on the total, every record counted
+    assert prefills[0][0] > r.tokens / len(CAPTURABLE)  # the first batch is the longest: more than its share
+    seen.clear()
+    r2 = capture(tiny["target"], tiny["tok"], cfg(tiny, tmp_path / "two", progress=True, draft_vocab_size=None,
+                                                  sort_window=10))
+    first = next(total for n, total, _ in seen if n)
+    assert 0.5 * r2.tokens < first < 2 * r2.tokens and seen[-1][:2] == (r2.tokens, r2.tokens)
+
+
 # ------------------------------------------------------------------------------------------ counting
 
 

@@ -296,21 +296,41 @@ def _count_records(path: Path, limit: int | None) -> int:
 
 
 class _Progress:
-    """tqdm bar over records with samples/s and tokens/s of captured data (stderr, so stdout stays clean)."""
+    """tqdm bar over the tokens prefilled, with records and samples/s beside it (stderr: stdout stays clean).
 
-    def __init__(self, total: int | None, enabled: bool) -> None:
+    Tokens, not records: each window runs longest first, so records come out at a rate that climbs through
+    the window, and a bar over records promised the end far too early. A window's tokens are known once it is
+    tokenized; past it, the total is estimated from the tokens per record read so far.
+    """
+
+    def __init__(self, total_records: int | None, enabled: bool) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, unit="rec", desc="capture", disable=not enabled, file=sys.stderr,
-                        dynamic_ncols=True)
+        self.bar = tqdm(total=None, unit="tok", unit_scale=True, desc="capture", disable=not enabled,
+                        file=sys.stderr, dynamic_ncols=True)
+        self.total_records = total_records
+        self.expected = 0  # tokens of the records read so far (0 for a record that is skipped)
+        self.records = 0
         self.start = time.perf_counter()
 
+    def read(self, records_read: int, tokens: int) -> None:
+        """One more record was read, with ``tokens`` to prefill (0: skipped)."""
+        self.expected += tokens
+        if self.bar.disable or not self.expected:
+            return
+        total = self.expected
+        if self.total_records and records_read < self.total_records:
+            total = round(self.expected * self.total_records / records_read)
+        self.bar.total = max(total, self.bar.n)
+
     def update(self, records: int, captured: int, tokens: int) -> None:
+        self.records += records
         if self.bar.disable:
             return
         dt = max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{captured / dt:.1f} samples/s, {tokens / dt:.0f} tok/s", refresh=False)
-        self.bar.update(records)
+        of = f"/{self.total_records}" if self.total_records else ""
+        self.bar.set_postfix_str(f"{self.records}{of} records, {captured / dt:.1f} samples/s", refresh=False)
+        self.bar.update(tokens - self.bar.n)
 
     def close(self) -> None:
         self.bar.close()
@@ -361,6 +381,7 @@ class _Run:
         setattr(self.counts, bucket, getattr(self.counts, bucket) + 1)
         if reason is not None:
             self.skip(bucket, line, sid, reason)
+        self.progress.read(self.counts.records, 0)
         self.progress.update(1, self.counts.captured, self.report.tokens)
 
     def add_record(self, item: Any, line: int | None = None) -> None:
@@ -393,6 +414,7 @@ class _Run:
             return self._bump("invalid", line, sid, f"token id {max(tok.input_ids)} outside the target's "
                               f"vocabulary of {self.vocab_size}")
         self.window.append(_Pending(sid, tok.input_ids, tok.loss_mask, tok.truncated, line))
+        self.progress.read(self.counts.records, len(tok.input_ids))
         if len(self.window) >= cfg.sort_window:
             self.run_window()
 
