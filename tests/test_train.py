@@ -117,10 +117,38 @@ def test_a_run_from_before_a_new_config_field_still_resumes():
     from draftsmith.stages.train.config import _RESUMABLE, config_hash
 
     cfg = TrainConfig(store="s")
-    before = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE and k != "teacher_temperature"}
+    before = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in _RESUMABLE and k not in ("teacher_temperature", "train_on")}
     hashed_before = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     assert config_hash(cfg) == hashed_before
     assert config_hash(dataclasses.replace(cfg, teacher_temperature=0.5)) != hashed_before
+    assert config_hash(dataclasses.replace(cfg, train_on="all")) != hashed_before
+
+
+def test_train_on_all_trains_prompt_columns_too_and_never_padding():
+    """train_on="all": every real token is a training column (the teacher is the target's distribution there
+    too); padding stays out, and the columns an answers-only batch trains are among them."""
+    from draftsmith.stages.train.data import every_position
+
+    target = tiny_target("llama")
+    drafter = new_drafter(target, draft_vocab_size=250, seed=5)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 250, (2, 12), generator=g)
+    out = target(ids)
+    answers = torch.zeros(2, 12, dtype=torch.bool)
+    answers[:, 8:] = True  # a prompt of 8 tokens, then the answer
+    lengths = torch.tensor([12, 9])
+    batch = TTTBatch(ids, answers.clone(), torch.cat(out.aux_hidden_states, -1), out.hidden_state, lengths)
+    kept = drafter.to_target_ids(torch.arange(250))
+    _, only_answers = ttt_forward(drafter, batch, teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d), 2)
+    everything = every_position(batch)
+    assert everything.loss_mask.tolist() == [[True] * 12, [True] * 9 + [False] * 3]
+    _, all_stats = ttt_forward(drafter, everything, teacher_targets(everything, target.lm_head.weight, kept,
+                                                                      drafter.t2d), 2)
+    assert all_stats.total[0] > only_answers.total[0] > 0
+    assert all_stats.total[0] == 12 - 2 + 9 - 2  # step 0 predicts token t+2: every real one from the third on
+    with pytest.raises(TrainError, match="train_on"):
+        load_config(None, {"store": "s", "train_on": "prompts"})
 
 
 def test_target_argmax_is_the_first_maximum_in_any_head_dtype():

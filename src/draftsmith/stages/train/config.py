@@ -30,6 +30,10 @@ class TrainConfig:
     ttt_steps: int = 7
     step_decay: float = 0.8
     teacher_temperature: float = 1.0  # soft labels' temperature (0: one-hot); README: 1 measured best
+    # Which positions train: "answers" (assistant tokens, what decoding drafts) or "all" (the prompts too: the
+    # teacher is the target's distribution at every position, so prompts are more of the same lesson).
+    # Evaluation always scores answers.
+    train_on: str = "answers"
     epochs: int = 1
     train_samples: int = 0  # 0: every training sample; N: the first N by id hash (data-scaling curves)
     max_steps: int = 0  # 0: as many optimizer steps as `epochs` give
@@ -98,6 +102,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise TrainError("ttt_steps, grad_accum must be >= 1 and batch_tokens >= 2")
     if cfg.teacher_temperature < 0:
         raise TrainError(f"teacher_temperature must be >= 0 (0: one-hot labels), not {cfg.teacher_temperature}")
+    if cfg.train_on not in ("answers", "all"):
+        raise TrainError(f"train_on must be answers or all, not {cfg.train_on!r}")
     if cfg.max_minutes < 0:
         raise TrainError(f"max_minutes must be >= 0 (0: no time bound), not {cfg.max_minutes}")
     if cfg.train_samples < 0:
@@ -106,7 +112,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
 
 
 # Fields added after runs existed: hashed only off their default, so those runs still resume.
-_ADDED_LATER = {"teacher_temperature": 1.0}
+_ADDED_LATER = {"teacher_temperature": 1.0, "train_on": "answers"}
 
 
 def config_hash(cfg: TrainConfig) -> str:

@@ -66,6 +66,13 @@ class OnlineSource:
                         for r, (x, m) in enumerate(seqs)], self.max_length, aux.dtype)
 
 
+def every_position(batch: TTTBatch) -> TTTBatch:
+    """The batch with every real token marked for the loss (prompts too), padding still out."""
+    t = batch.input_ids.shape[1]
+    batch.loss_mask = torch.arange(t, device=batch.input_ids.device)[None] < batch.lengths[:, None]
+    return batch
+
+
 def collate(samples, max_length: int, dtype: torch.dtype) -> TTTBatch:
     samples = [(x[:max_length], m[:max_length], a[:max_length], h[:max_length]) for x, m, a, h in samples]
     b, t = len(samples), max(len(s[0]) for s in samples)

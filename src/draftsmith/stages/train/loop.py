@@ -30,7 +30,7 @@ from draftsmith.stages.train.budget import MIN_TIMED_STEPS, Timing, plan_steps
 from draftsmith.stages.train.budget import describe as describe_plan
 from draftsmith.stages.train.checkpoints import save_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import TrainConfig, TrainError
-from draftsmith.stages.train.data import OnlineSource, StoreSource, make_batches
+from draftsmith.stages.train.data import OnlineSource, StoreSource, every_position, make_batches
 from draftsmith.stages.train.logs import MetricsLog
 
 
@@ -187,6 +187,8 @@ def train_loop(run: Run) -> dict:
             opt.zero_grad(set_to_none=True)
             for j in range(cfg.grad_accum):
                 batch = run.source.load(batches[state["batch_in_epoch"] + j]).to(device)
+                if cfg.train_on == "all":
+                    batch = every_position(batch)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
                     loss, s = ttt_forward(drafter, batch, run.teacher(batch), cfg.ttt_steps, cfg.step_decay)
                 if not torch.isfinite(loss):
