@@ -87,6 +87,20 @@ DS_AVX2 inline void tile(int64_t K, const float *x, const void *w, const float *
     }
 }
 
+// 1..6 rows on one panel.
+template <bool F32>
+DS_AVX2 inline void one_panel(int64_t rows, int64_t K, const float *x, const void *w, const float *bias, int64_t n0,
+                              int64_t N, uint16_t *y) {
+    switch (rows) {
+        case 6: tile<6, 1, F32>(K, x, w, bias, n0, N, y); break;
+        case 5: tile<5, 1, F32>(K, x, w, bias, n0, N, y); break;
+        case 4: tile<4, 1, F32>(K, x, w, bias, n0, N, y); break;
+        case 3: tile<3, 1, F32>(K, x, w, bias, n0, N, y); break;
+        case 2: tile<2, 1, F32>(K, x, w, bias, n0, N, y); break;
+        default: tile<1, 1, F32>(K, x, w, bias, n0, N, y); break;
+    }
+}
+
 // Up to 6 rows (a verify pass): GROUP panels straight from bf16, several panels a tile where few rows leave
 // registers free, so that a 1-token step keeps 8 independent sums in flight instead of 2.
 constexpr int64_t GROUP = 4;
@@ -105,18 +119,7 @@ DS_AVX2 void few_rows(int64_t M, int64_t K, int64_t N, const float *x, const uin
             default: break;
         }
     }
-    for (; j < pn; j++) {
-        const uint16_t *wj = w + j * K * NR;
-        int64_t nj = n0 + j * NR;
-        switch (M) {
-            case 6: tile<6, 1, false>(K, x, wj, bias, nj, N, y); break;
-            case 5: tile<5, 1, false>(K, x, wj, bias, nj, N, y); break;
-            case 4: tile<4, 1, false>(K, x, wj, bias, nj, N, y); break;
-            case 3: tile<3, 1, false>(K, x, wj, bias, nj, N, y); break;
-            case 2: tile<2, 1, false>(K, x, wj, bias, nj, N, y); break;
-            default: tile<1, 1, false>(K, x, wj, bias, nj, N, y); break;
-        }
-    }
+    for (; j < pn; j++) one_panel<false>(M, K, x, w + j * K * NR, bias, n0 + j * NR, N, y);
 }
 
 // More rows: each panel is converted to fp32 once (K x 16, in L1/L2) and serves every 6-row tile from there.
@@ -125,18 +128,8 @@ DS_AVX2 void many_rows(int64_t M, int64_t K, int64_t N, const float *x, const ui
     const uint16_t *w = wp + p * K * NR;
     for (int64_t i = 0; i < K * NR; i += 8) _mm256_storeu_ps(scratch + i, load_bf16(w + i));
     int64_t n0 = p * NR;
-    for (int64_t m = 0; m < M; m += MR) {
-        const float *xm = x + m * K;
-        uint16_t *ym = y + m * N;
-        switch (std::min<int64_t>(MR, M - m)) {
-            case 6: tile<6, 1, true>(K, xm, scratch, bias, n0, N, ym); break;
-            case 5: tile<5, 1, true>(K, xm, scratch, bias, n0, N, ym); break;
-            case 4: tile<4, 1, true>(K, xm, scratch, bias, n0, N, ym); break;
-            case 3: tile<3, 1, true>(K, xm, scratch, bias, n0, N, ym); break;
-            case 2: tile<2, 1, true>(K, xm, scratch, bias, n0, N, ym); break;
-            default: tile<1, 1, true>(K, xm, scratch, bias, n0, N, ym); break;
-        }
-    }
+    for (int64_t m = 0; m < M; m += MR)
+        one_panel<true>(std::min<int64_t>(MR, M - m), K, x + m * K, scratch, bias, n0, N, y + m * N);
 }
 
 }  // namespace
