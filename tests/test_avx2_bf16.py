@@ -3,6 +3,10 @@ pass length, and a packed target's logits as close to float32 as plain bf16's.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,3 +117,17 @@ def test_where_onednn_cannot_pack_bf16_the_kernel_does(monkeypatch):
     target = Target(build("qwen2", torch.bfloat16))
     assert target.pack() > 0
     assert {m.backend for m in target.model.modules() if isinstance(m, PackedLinear)} == {"avx2_bf16"}
+
+
+def test_where_the_kernel_cannot_be_built_bf16_stays_plain_with_one_line_said(tmp_path):
+    """No usable compiler: the build fails, one line says so, and packing leaves bf16 on F.linear."""
+    code = ("import torch\n"
+            "from draftsmith.model import avx2_bf16, packing\n"
+            "packing.dtype_packable = lambda dtype: dtype == torch.float32  # an AVX2-only CPU\n"
+            "print(avx2_bf16.available(), packing.pack_backend(torch.bfloat16))\n")
+    env = {**os.environ, "DRAFTSMITH_HOME": str(tmp_path), "CXX": str(tmp_path / "no-such-g++")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "None"]
+    said = [line for line in r.stderr.splitlines() if line.startswith("AVX2 bf16 kernel unavailable")]
+    assert len(said) == 1 and len(said[0]) < 260 and said[0].endswith("bf16 linears run plain F.linear")
