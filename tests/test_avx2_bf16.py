@@ -49,7 +49,7 @@ def test_the_kernel_is_f_linear_within_a_bf16_rounding(n, k, bias):
 
 
 def test_a_row_gets_the_same_bits_in_a_pass_of_any_length():
-    """What keeps a k-token verify pass consistent with 1-token steps: no row's sums depend on the others."""
+    """No row's sums depend on the other rows: verify passes of any length agree row by row."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(100, 96, generator=g).bfloat16()
     packed = avx2_bf16.pack(w)
@@ -102,6 +102,9 @@ def test_a_packed_linear_on_the_kernel_follows_its_weight_and_autograd_falls_bac
         second = packed(x)
     exact, bound = reference(x, lin.weight, lin.bias.float())
     assert ((second.double() - exact).abs() <= bound).all() and not torch.equal(first, second)
+    with torch.no_grad():  # one row is a GEMV and stays on F.linear; two or more run the kernel
+        assert torch.equal(packed(x[:1]), F.linear(x[:1], lin.weight, lin.bias))
+        assert torch.equal(packed(x), avx2_bf16.linear(x, packed._packed, lin.bias.float(), 24))
     x.requires_grad_(True)
     F.linear(x, lin.weight, lin.bias).sum().backward()  # the reference path autograd takes
     y = packed(x)

@@ -81,7 +81,7 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight (N x K bf16) in the kernel's layout: 16-column panels, zero-padded."""
+    """The weight (N x K bf16) in the kernel's layout: groups of 32 columns, k-rows contiguous, zero-padded."""
     return kernel().pack(weight.detach())
 
 

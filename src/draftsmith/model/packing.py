@@ -12,8 +12,9 @@ modified in place, replaced or moved, and any call it cannot serve (autograd, an
 plain ``F.linear``.
 
 Where oneDNN cannot pack bf16 (x86 CPUs with AVX2 but no AVX-512), bf16 weights are packed for draftsmith's own
-AVX2 kernel instead (model/avx2_bf16.py): fp32 sums like ``F.linear``'s, in another order, so its results are
-within a bf16 rounding of ``F.linear``'s, and a row gets the same bits in a k-token pass as in a 1-token step.
+AVX2 kernel instead (model/avx2_bf16.py), for passes of two rows or more: fp32 sums like ``F.linear``'s, in
+another order, so within a bf16 rounding of ``F.linear``'s. One row (a 1-token step) stays on ``F.linear``,
+whose bf16 GEMV already reads the weight once; from two rows on it reads it once a row.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ class PackedLinear(nn.Linear):
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)  # the packed op has no autograd
         if self.backend == "avx2_bf16":
+            if x.numel() == self.in_features:  # one row: a GEMV, which F.linear streams at the memory's pace
+                return F.linear(x, self.weight, self.bias)
             return avx2_bf16.linear(x, p, self._bias32, self.out_features)
         bias = None if self.bias is None else self.bias.detach()
         x2 = x.reshape(-1, self.in_features).contiguous()
