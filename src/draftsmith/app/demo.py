@@ -54,6 +54,9 @@ class Preset:
     # training step, so training gets what is left after the stages before it and an estimate of the bench
     # (``bench_seconds``), and plans its step count to fit (train/budget.py; never more than max_steps).
     minutes: float | None = None
+    # Which positions train (TrainConfig.train_on): the teacher is the target's distribution at every position,
+    # so on this little data the prompts teach too (README, "Training data and recipe levers").
+    train_on: str = "all"
 
 
 PRESETS = {
@@ -170,7 +173,8 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
                                  max_steps=p.max_steps, ttt_steps=p.ttt_steps, batch_tokens=p.batch_tokens,
                                  max_length=p.max_length,
                                  lr=p.lr, eval_every=max(10, p.max_steps // 5), save_every=max(10, p.max_steps // 5),
-                                 warmup_steps=max(2, p.max_steps // 20), max_minutes=budget, progress=progress))
+                                 warmup_steps=max(2, p.max_steps // 20), max_minutes=budget, train_on=p.train_on,
+                                 progress=progress))
     if (run_dir / "final" / "model.safetensors").is_file():
         print(f"already trained: {run_dir / 'final'}", file=sys.stderr)
     else:
