@@ -7,7 +7,7 @@ same weights; the cells are the median ms over ``--reps`` runs with the spread (
 to the plain 1-token step and to the variant's own 1-token step.
 
 Run: python bench/verify_cost.py [--target smollm2] [--reps 15] [--dtypes float32,bfloat16] [--json out.json]
-An AVX2-only CPU, on a newer one: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/verify_cost.py
+An AVX2-only CPU's code paths, on a newer CPU: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/...
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def report(dtype: str, times: dict, diffs: dict) -> None:
             cells.append(f"k={k}: {med:6.1f} ({spread:4.0%}) [{med / base:4.2f}|{med / own:4.2f}]")
         print(f"  {name:7s}" + "  ".join(cells))
     if not diffs:
-        print("  (nothing packed: neither oneDNN nor the AVX2 bf16 kernel packs this dtype on this CPU)")
+        print("  (nothing packed: oneDNN cannot pack this dtype on this CPU)")
         return
     worst = max(d["max_abs"] for d in diffs.values())
     flips = sum(d["argmax_differs"] for d in diffs.values())
@@ -153,13 +153,12 @@ def main() -> int:
     for dtype in args.dtypes.split(","):
         t0 = time.perf_counter()
         target = load_target(args.target, dtype=getattr(torch, dtype), pack=True)
-        backends = sorted({m.backend for m in target.model.modules() if isinstance(m, PackedLinear) and m.backend})
-        packed = f"packed by {', '.join(backends)}" if backends else "nothing packed"
+        packed = "packed" if Switch(target).slots else "nothing packed"
         print(f"{dtype}: loaded ({packed}) in {time.perf_counter() - t0:.1f} s", flush=True)
         ids = target.tokenizer(TEXT * 20, return_tensors="pt").input_ids[:, : args.prefix + 16]
         times, diffs = curve(target, ids, args.prefix, args.reps)
         report(dtype, times, diffs)
-        results["dtypes"][dtype] = {"times_ms": times, "logit_diffs": diffs, "backends": backends}
+        results["dtypes"][dtype] = {"times_ms": times, "logit_diffs": diffs}
         del target
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

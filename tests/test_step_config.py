@@ -16,8 +16,8 @@ from draftsmith.testing.models import build_tiny_model, save_tiny_target
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packing")
 
 COMBOS = list(itertools.product((torch.float32, torch.bfloat16), (True, False)))
-needs_bf16_packing = pytest.mark.skipif(packing.pack_backend(torch.bfloat16) is None,
-                                        reason="neither oneDNN nor the AVX2 kernel packs bf16 here")
+needs_bf16_packing = pytest.mark.skipif(not packing.dtype_packable(torch.bfloat16),
+                                        reason="this CPU cannot pack bf16 weights (AVX2 only)")
 
 
 def load(dtype: torch.dtype) -> Target:
@@ -91,27 +91,13 @@ def test_the_users_switch_turns_packing_off_and_it_is_never_timed(timed, monkeyp
 
 
 def test_where_bf16_cannot_be_packed_the_chooser_times_it_plain_only(timed, monkeypatch):
-    """An AVX2-only CPU without the AVX2 kernel (no compiler): bf16 is timed unpacked, never reported packed."""
+    """An AVX2-only CPU: oneDNN cannot pack bf16, so bf16 is timed unpacked and never reported packed."""
     costs, measured = timed
     monkeypatch.setattr(packing, "_packs", lambda dtype: dtype == torch.float32)
-    monkeypatch.setattr(packing.avx2_bf16, "available", lambda: False)
     costs.update({(torch.float32, True): 0.05, (torch.float32, False): 0.06, (torch.bfloat16, False): 0.04})
     target, note = step_config.choose_dtype(load, log=lambda line: None)
     assert (target.dtype, target.packed) == (torch.bfloat16, False)
     assert sorted(measured, key=str) == sorted(costs, key=str) and "prepacked" not in note
-
-
-@pytest.mark.skipif(not packing.avx2_bf16.available(), reason="the AVX2 bf16 kernel cannot be built here")
-def test_where_onednn_cannot_pack_bf16_the_chooser_times_the_avx2_kernel(timed, monkeypatch):
-    """An AVX2-only CPU: bf16 is packed for the AVX2 kernel, timed both ways, and kept packed where faster."""
-    costs, measured = timed
-    monkeypatch.setattr(packing, "_packs", lambda dtype: dtype == torch.float32)
-    costs.update({(torch.float32, True): 0.05, (torch.float32, False): 0.06, (torch.bfloat16, True): 0.03,
-                  (torch.bfloat16, False): 0.04})
-    target, note = step_config.choose_dtype(load, log=lambda line: None)
-    assert (target.dtype, target.packed) == (torch.bfloat16, True) and "prepacked" in note
-    assert target.lm_head.backend == "avx2_bf16"
-    assert sorted(measured, key=str) == sorted(costs, key=str)
 
 
 def test_capture_takes_a_float32_copy_only_where_its_long_pass_is_faster(tmp_path):

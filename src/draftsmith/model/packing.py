@@ -10,11 +10,6 @@ keys, tied embeddings (the embedding reads the Parameter, never the packed copy)
 ``lm_head.weight`` are unchanged. The packed copy is derived state: it is rebuilt whenever the weight was
 modified in place, replaced or moved, and any call it cannot serve (autograd, another dtype or device) runs
 plain ``F.linear``.
-
-Where oneDNN cannot pack bf16 (x86 CPUs with AVX2 but no AVX-512), bf16 weights are packed for draftsmith's own
-AVX2 kernel instead (model/avx2_bf16.py), for passes of two rows or more: fp32 sums like ``F.linear``'s, in
-another order, so within a bf16 rounding of ``F.linear``'s. One row (a 1-token step) stays on ``F.linear``,
-whose bf16 GEMV already reads the weight once; from two rows on it reads it once a row.
 """
 
 from __future__ import annotations
@@ -24,8 +19,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from draftsmith.model import avx2_bf16
 
 # fp32 measured fastest at 16 for every pass of 1..16 tokens (a 16-row pack serves 1 row as well);
 # bf16 does not depend on the hint. One packed copy per weight therefore serves every k.
@@ -61,39 +54,20 @@ def _packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_backend(dtype: torch.dtype) -> str | None:
-    """Who packs ``dtype`` weights on this CPU: "onednn", "avx2_bf16" (bf16 where oneDNN cannot), or None."""
-    if dtype_packable(dtype):
-        return "onednn"
-    if dtype == torch.bfloat16 and avx2_bf16.available():
-        return "avx2_bf16"
-    return None
-
-
-def _serves(backend: str | None, dtype: torch.dtype) -> bool:
-    if backend == "onednn":
-        return dtype_packable(dtype)
-    return backend == "avx2_bf16" and dtype == torch.bfloat16 and avx2_bf16.available()
-
-
 def _weight_key(w: torch.Tensor) -> tuple:
     """Changes when the weight is modified in place (version), replaced, moved or cast."""
     return (w._version, w.data_ptr(), w.device, w.dtype)
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward runs on a prepacked copy of its weight (same Parameters): oneDNN's, or
-    the AVX2 bf16 kernel's (``backend``)."""
+    """An ``nn.Linear`` whose forward runs on a oneDNN-prepacked copy of its weight (same Parameters)."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT, backend: str | None = None):
+    def __init__(self, linear: nn.Linear, batch_hint: int = DEFAULT_BATCH_HINT):
         nn.Module.__init__(self)  # no fresh weight: share the original Parameters
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.batch_hint = int(batch_hint)
-        self.forced_backend = backend  # None: pack_backend's choice for the weight's dtype at each repack
-        self.backend: str | None = None
-        self._bias32: torch.Tensor | None = None
         self.__dict__["_original"] = linear  # unregistered: not a submodule, no ``.lin.`` state_dict keys
         self._packed: torch.Tensor | None = None
         self._key: tuple | None = None
@@ -106,17 +80,8 @@ class PackedLinear(nn.Linear):
     def repack(self) -> None:
         """(Re)build the packed copy from the current weight, or drop it where packing does not apply."""
         w, b = self.weight, self.bias
-        backend = self.forced_backend or pack_backend(w.dtype)
-        if not (w.device.type == "cpu" and (b is None or b.dtype == w.dtype) and _serves(backend, w.dtype)):
-            backend = None
-        self.backend, self._bias32 = backend, None
-        if backend == "onednn":
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
-        elif backend == "avx2_bf16":
-            self._packed = avx2_bf16.pack(w)
-            self._bias32 = None if b is None else b.detach().float()
-        else:
-            self._packed = None
+        ok = w.device.type == "cpu" and dtype_packable(w.dtype) and (b is None or b.dtype == w.dtype)
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint) if ok else None
         self._key = _weight_key(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,43 +91,40 @@ class PackedLinear(nn.Linear):
         if (p is None or x.dtype != self.weight.dtype or x.device.type != "cpu" or x.numel() == 0
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)  # the packed op has no autograd
-        if self.backend == "avx2_bf16":
-            if x.numel() == self.in_features:  # one row: a GEMV, which F.linear streams at the memory's pace
-                return F.linear(x, self.weight, self.bias)
-            return avx2_bf16.linear(x, p, self._bias32, self.out_features)
         bias = None if self.bias is None else self.bias.detach()
         x2 = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x2, p, bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, batch_hint={self.batch_hint}, packed={self.backend}"
+        return f"{super().extra_repr()}, batch_hint={self.batch_hint}, packed={self._packed is not None}"
 
 
-def _packable(module: nn.Module, backend: str | None) -> bool:
+def _packable(module: nn.Module) -> bool:
     if type(module) is not nn.Linear:
         return False
     w = module.weight
-    return (w.device.type == "cpu" and _serves(backend or pack_backend(w.dtype), w.dtype)
+    return (w.device.type == "cpu" and dtype_packable(w.dtype)
             and (module.bias is None or module.bias.dtype == w.dtype)
             and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")))
 
 
-def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT, backend: str | None = None) -> int:
+def pack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
     """Swap every plain CPU fp32/bf16 ``nn.Linear`` for a ``PackedLinear``; return how many were swapped.
 
     Subclasses of ``nn.Linear`` (their forward may differ), hooked modules, other dtypes and devices are left
-    alone, and so is everything no backend packs on this CPU (returns 0). ``backend`` forces "onednn" or
-    "avx2_bf16" (benchmarks and tests); None takes ``pack_backend``'s. A module shared by several parents gets
-    one packed copy.
+    alone, and so is everything where oneDNN is unavailable or cannot pack that dtype on this CPU (returns 0).
+    A module shared by several parents gets one packed copy.
     """
+    if not packing_available():
+        return 0
     swapped: dict[int, PackedLinear] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not _packable(child, backend):
+            if not _packable(child):
                 continue
             if id(child) not in swapped:
-                swapped[id(child)] = PackedLinear(child, batch_hint, backend)
+                swapped[id(child)] = PackedLinear(child, batch_hint)
             setattr(parent, name, swapped[id(child)])
     return len(swapped)
 

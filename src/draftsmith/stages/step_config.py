@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from draftsmith.core.machine import cache_get, cache_put
-from draftsmith.model.packing import pack_backend
+from draftsmith.model.packing import dtype_packable
 from draftsmith.model.target import Target, packing_wanted
 from draftsmith.stages.shapes import (
     Choice,
@@ -37,7 +37,7 @@ PACKABLE = (torch.float32, torch.bfloat16)
 
 def can_pack(target: Target) -> bool:
     return (target.device.type == "cpu" and target.dtype in PACKABLE and packing_wanted()
-            and pack_backend(target.dtype) is not None)
+            and dtype_packable(target.dtype))
 
 
 def step_times(target: Target) -> dict[str, float]:
