@@ -88,10 +88,13 @@ def test_demo_on_conversations_as_written(tmp_path):
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(rows))
     result = run_demo("tiny", work, target=str(work / "target"), progress=False, data=str(data), max_turns=1,
-                      minutes=30)
+                      minutes=30, eval_every=15, warmup_steps=3)
     assert result["train_steps"] == PRESETS["tiny"].max_steps  # a roomy budget trains every step
     assert result["plan"]["cuts"] == [] and (work / "plan.json").is_file()  # nothing to cut on a tiny model
-    assert json.loads((work / "run" / "config.json").read_text())["max_minutes"] >= 29
+    config = json.loads((work / "run" / "config.json").read_text())
+    assert config["max_minutes"] >= 29
+    # A preset's own evaluation cadence and warm-up, not fractions of its step ceiling.
+    assert (config["eval_every"], config["save_every"], config["warmup_steps"]) == (15, 15, 3)
     assert not (work / "conversations.jsonl").exists() and result["seconds"]["generate"] == 0.0
     store = FeatureStore(work / "store")
     assert len(rows) <= PRESETS["tiny"].conversations  # the preset's limit reads them all

@@ -57,6 +57,11 @@ class Preset:
     # Which positions train (TrainConfig.train_on): the teacher is the target's distribution at every position,
     # so on this little data the prompts teach too (README, "Training data and recipe levers").
     train_on: str = "all"
+    # Held-out evaluation every this many steps, and the learning-rate warm-up, in steps. None: a fifth and a
+    # twentieth of max_steps. A preset whose max_steps is a ceiling under its time budget fixes them, so that a
+    # fast machine that trains many more steps is evaluated as often, and warms up alike.
+    eval_every: int | None = None
+    warmup_steps: int | None = None
 
 
 PRESETS = {
@@ -65,10 +70,12 @@ PRESETS = {
     # The README's `make demo` (~20 min on 2 CPU cores). ShareGPT's first turns as written: at equal tokens
     # they trained drafters that accept like self-prompted, regenerated data (README, "Training data"), for
     # less than half the minutes, since nothing is generated; at 700 steps the drafter stops gaining from more
-    # than a few hundred of them (README, the scaling curve). Chain 2 and tree 2,4,6 draft two deep, so TTT
-    # unrolls two steps; the bench decodes as far as the answers the drafter learned from.
-    "default": Preset("smollm2", 400, 224, 64, 32, 4096, 800, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 4, 6),
-                      data="sharegpt", max_turns=1, max_length=1024, minutes=20),
+    # than a few hundred of them (README, the scaling curve), while steps still pay. So max_steps is a ceiling:
+    # training takes every minute the budget leaves it (what fits, several-fold more on a fast machine). Chain 2
+    # and tree 2,4,6 draft two deep, so TTT unrolls two steps; the bench decodes as far as the answers the
+    # drafter learned from.
+    "default": Preset("smollm2", 400, 224, 64, 32, 4096, 3000, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 4, 6),
+                      data="sharegpt", max_turns=1, max_length=1024, minutes=20, eval_every=160, warmup_steps=40),
     # More data (whole conversations cut at 1,024 tokens), longer training, five-deep drafting. Hours on 2 CPU
     # cores, within 3 even on one without AMX (README, "The full preset"): training-time test's attention grows
     # with the square of the length, so 2,048-token samples trained at about half the tokens/s; 20 prompts a
@@ -167,14 +174,14 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         budget = train_minutes(p.minutes, time.perf_counter() - t0, sizes.bench_s)
         print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
               f"~{sizes.bench_s / 60:.1f} kept for the bench, {budget:.1f} for training", file=sys.stderr)
-    t = _stage(f"3/5 train: {p.max_steps} steps" + (f" or what fits {budget:.1f} min" if budget else "")
-               + f", ttt_steps={p.ttt_steps}")
+    t = _stage("3/5 train: " + (f"as many steps as fit {budget:.1f} min, at most {p.max_steps}" if budget
+                                 else f"{p.max_steps} steps") + f", ttt_steps={p.ttt_steps}")
+    eval_every = p.eval_every or max(10, p.max_steps // 5)
     cfg = load_config(None, dict(target=target_path, store=str(work / "store"), out=str(run_dir),
                                  max_steps=p.max_steps, ttt_steps=p.ttt_steps, batch_tokens=p.batch_tokens,
-                                 max_length=p.max_length,
-                                 lr=p.lr, eval_every=max(10, p.max_steps // 5), save_every=max(10, p.max_steps // 5),
-                                 warmup_steps=max(2, p.max_steps // 20), max_minutes=budget, train_on=p.train_on,
-                                 progress=progress))
+                                 max_length=p.max_length, lr=p.lr, eval_every=eval_every, save_every=eval_every,
+                                 warmup_steps=p.warmup_steps or max(2, p.max_steps // 20), max_minutes=budget,
+                                 train_on=p.train_on, progress=progress))
     if (run_dir / "final" / "model.safetensors").is_file():
         print(f"already trained: {run_dir / 'final'}", file=sys.stderr)
     else:
