@@ -33,6 +33,7 @@ def test_tiny_demo_pipeline(tmp_path):
     vocab = load_vocab(work / "store" / "vocab.safetensors", target.vocab_size)
     assert vocab.draft_vocab_size == preset.draft_vocab_size
     assert (work / "run" / "checkpoints" / "latest").is_file()
+    assert result["train_steps"] == preset.max_steps  # no budget: the preset's steps
     assert (work / "run" / "best" / "model.safetensors").is_file()
     exported = json.loads((work / "export" / "vllm" / "config.json").read_text())
     assert exported["eagle_aux_hidden_state_layer_ids"] == list(target.aux_layers)
@@ -88,13 +89,14 @@ def test_demo_on_conversations_as_written(tmp_path):
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(rows))
     result = run_demo("tiny", work, target=str(work / "target"), progress=False, data=str(data), max_turns=1,
-                      minutes=30, eval_every=15, warmup_steps=3)
-    assert result["train_steps"] == PRESETS["tiny"].max_steps  # a roomy budget trains every step
+                      minutes=30, step_ceiling=50, eval_every=15, warmup_steps=3)
+    assert result["train_steps"] == 50  # under a budget, up to the ceiling: a roomy one trains every step
     assert result["plan"]["cuts"] == [] and (work / "plan.json").is_file()  # nothing to cut on a tiny model
     config = json.loads((work / "run" / "config.json").read_text())
     assert config["max_minutes"] >= 29
     # A preset's own evaluation cadence and warm-up, not fractions of its step ceiling.
     assert (config["eval_every"], config["save_every"], config["warmup_steps"]) == (15, 15, 3)
+    assert config["max_steps"] == 50
     assert not (work / "conversations.jsonl").exists() and result["seconds"]["generate"] == 0.0
     store = FeatureStore(work / "store")
     assert len(rows) <= PRESETS["tiny"].conversations  # the preset's limit reads them all

@@ -57,9 +57,12 @@ class Preset:
     # Which positions train (TrainConfig.train_on): the teacher is the target's distribution at every position,
     # so on this little data the prompts teach too (README, "Training data and recipe levers").
     train_on: str = "all"
+    # Under a time budget, training may run up to this many steps, as many as fit (None: max_steps, which is
+    # then also what a run without a budget trains).
+    step_ceiling: int | None = None
     # Held-out evaluation every this many steps, and the learning-rate warm-up, in steps. None: a fifth and a
-    # twentieth of max_steps. A preset whose max_steps is a ceiling under its time budget fixes them, so that a
-    # fast machine that trains many more steps is evaluated as often, and warms up alike.
+    # twentieth of max_steps. A preset with a step ceiling fixes them, so that a fast machine that trains many
+    # more steps is evaluated as often, and warms up alike.
     eval_every: int | None = None
     warmup_steps: int | None = None
 
@@ -70,12 +73,13 @@ PRESETS = {
     # The README's `make demo` (~20 min on 2 CPU cores). ShareGPT's first turns as written: at equal tokens
     # they trained drafters that accept like self-prompted, regenerated data (README, "Training data"), for
     # less than half the minutes, since nothing is generated; at 700 steps the drafter stops gaining from more
-    # than a few hundred of them (README, the scaling curve), while steps still pay. So max_steps is a ceiling:
-    # training takes every minute the budget leaves it (what fits, several-fold more on a fast machine). Chain 2
-    # and tree 2,4,6 draft two deep, so TTT unrolls two steps; the bench decodes as far as the answers the
-    # drafter learned from.
-    "default": Preset("smollm2", 400, 224, 64, 32, 4096, 3000, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 4, 6),
-                      data="sharegpt", max_turns=1, max_length=1024, minutes=20, eval_every=160, warmup_steps=40),
+    # than a few hundred of them (README, the scaling curve), while steps still pay. So under its budget training
+    # takes every minute the other stages leave it (what fits: several-fold more steps on a fast machine), up to
+    # the step ceiling; 800 steps without a budget. Chain 2 and tree 2,4,6 draft two deep, so TTT unrolls two
+    # steps; the bench decodes as far as the answers the drafter learned from.
+    "default": Preset("smollm2", 400, 224, 64, 32, 4096, 800, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 4, 6),
+                      data="sharegpt", max_turns=1, max_length=1024, minutes=20, step_ceiling=3000, eval_every=160,
+                      warmup_steps=40),
     # More data (whole conversations cut at 1,024 tokens), longer training, five-deep drafting. Hours on 2 CPU
     # cores, within 3 even on one without AMX (README, "The full preset"): training-time test's attention grows
     # with the square of the length, so 2,048-token samples trained at about half the tokens/s; 20 prompts a
@@ -174,11 +178,12 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         budget = train_minutes(p.minutes, time.perf_counter() - t0, sizes.bench_s)
         print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
               f"~{sizes.bench_s / 60:.1f} kept for the bench, {budget:.1f} for training", file=sys.stderr)
-    t = _stage("3/5 train: " + (f"as many steps as fit {budget:.1f} min, at most {p.max_steps}" if budget
-                                 else f"{p.max_steps} steps") + f", ttt_steps={p.ttt_steps}")
+    steps = (p.step_ceiling or p.max_steps) if budget else p.max_steps
+    t = _stage("3/5 train: " + (f"as many steps as fit {budget:.1f} min, at most {steps}" if budget
+                                 else f"{steps} steps") + f", ttt_steps={p.ttt_steps}")
     eval_every = p.eval_every or max(10, p.max_steps // 5)
     cfg = load_config(None, dict(target=target_path, store=str(work / "store"), out=str(run_dir),
-                                 max_steps=p.max_steps, ttt_steps=p.ttt_steps, batch_tokens=p.batch_tokens,
+                                 max_steps=steps, ttt_steps=p.ttt_steps, batch_tokens=p.batch_tokens,
                                  max_length=p.max_length, lr=p.lr, eval_every=eval_every, save_every=eval_every,
                                  warmup_steps=p.warmup_steps or max(2, p.max_steps // 20), max_minutes=budget,
                                  train_on=p.train_on, progress=progress))
