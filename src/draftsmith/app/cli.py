@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="override the preset's target (a model dir or 'smollm2')")
     p.add_argument("--minutes", type=float, default=None,
                    help="wall-clock budget: training plans its steps to fit what the other stages leave (at most "
-                        "the preset's step ceiling: 3000 for default); 0: no budget, the preset's steps (800 for "
-                        "default) (default: default 20, full 180)")
+                        "the preset's step ceiling); 0: no budget, the preset's own step count (default: default 20, "
+                        "full 180)")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="generate with vLLM's engine run by this Python (e.g. .venv-vllm/bin/python; `make demo` "
                         "passes it); default: the in-process backend, several times slower")
