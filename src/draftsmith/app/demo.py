@@ -52,7 +52,7 @@ class Preset:
     max_length: int = 2048
     # Wall-clock budget of the whole run, in minutes (None: none). Machines differ several-fold in seconds per
     # training step, so training gets what is left after the stages before it and an estimate of the bench
-    # (``bench_seconds``), and plans its step count to fit (train/budget.py; never more than max_steps).
+    # (``bench_seconds``), and plans its step count to fit (train/budget.py; never more than step_ceiling).
     minutes: float | None = None
     # Which positions train (TrainConfig.train_on): the teacher is the target's distribution at every position,
     # so on this little data the prompts teach too (README, "Training data and recipe levers").
