@@ -13,6 +13,7 @@ import torch
 from conftest import save_tiny_chat_model, self_generated_conversations, tiny_target
 from safetensors.torch import load_file
 
+from draftsmith.model import ttt
 from draftsmith.model.drafter import KVCache, load_drafter, new_drafter
 from draftsmith.model.target import load_target
 from draftsmith.model.ttt import TTTBatch, simulated_acceptance_length, target_argmax, teacher_targets, ttt_forward
@@ -65,6 +66,30 @@ def _dense_ttt_loss(drafter, batch, teacher, ttt_steps, decay=0.8):
         correct.append(float(((logits.argmax(-1) == _shift(argmax, 1 + i)) & trained).sum()))
         counted.append(float(predicted.sum()))
     return total, correct, counted
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_ttt_attention_in_the_flash_kernel_equals_the_reference(steps):
+    """The CPU path (flash kernel plus diagonal keys merged by log-sum-exp) gives the plain-ops attention and
+    its gradients, grouped K/V heads and every TTT step's diagonal included."""
+    assert ttt._CPU_FLASH is not None  # the pinned torch has the kernel: the fast path is what training runs
+    g = torch.Generator().manual_seed(steps)
+    q = torch.randn(2, 6, 23, 16, generator=g, requires_grad=True)
+    keys = [torch.randn(2, 2, 23, 16, generator=g, requires_grad=True) for _ in range(steps)]
+    values = [torch.randn(2, 2, 23, 16, generator=g, requires_grad=True) for _ in range(steps)]
+    upstream = torch.randn(2, 6, 23, 16, generator=g)
+    inputs = [q, *keys, *values]
+    fast = ttt.ttt_attention(q, keys, values)
+    ref = ttt.ttt_attention_reference(q, keys, values)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(fast, inputs, upstream), torch.autograd.grad(ref, inputs, upstream),
+                    strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as training runs it: bf16 in, bf16 out
+        half = [x.detach().bfloat16() for x in inputs]
+        fast = ttt.ttt_attention(half[0], half[1:1 + steps], half[1 + steps:])
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), ref.detach(), atol=0.05, rtol=0.05)
 
 
 def test_ttt_loss_on_trained_columns_equals_the_dense_loss():

@@ -125,7 +125,18 @@ def teacher_targets(batch: TTTBatch, lm_head_weight: torch.Tensor, target_ids: t
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Causal attention on step-0 keys plus the diagonal keys of steps 1..i. Shapes [B, H(kv), T, D]."""
+    """Causal attention on step-0 keys plus the diagonal keys of steps 1..i. Shapes [B, H(kv), T, D].
+
+    On CPU the causal part runs in PyTorch's flash-attention kernel, which never builds the [T, T] scores
+    that dominate a training step on long samples; ``ttt_attention_reference`` is the same function in
+    plain ops (other devices, and the tests' oracle).
+    """
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        return _FlashTTTAttention.apply(q, len(keys) - 1, *keys, *values)
+    return ttt_attention_reference(q, keys, values)
+
+
+def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     b, n_heads, t, d = q.shape
     rep = n_heads // keys[0].shape[1]
     k0, v0 = keys[0].repeat_interleave(rep, 1), values[0].repeat_interleave(rep, 1)
@@ -140,6 +151,68 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     for j, v in enumerate(diag_v):
         out = out + probs[..., t + j: t + j + 1] * v
     return out
+
+
+try:
+    _CPU_FLASH = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+except (AttributeError, RuntimeError):  # a torch without the CPU flash kernel: the reference path
+    _CPU_FLASH = None
+
+
+class _FlashTTTAttention(torch.autograd.Function):
+    """The causal block in the flash kernel, the diagonal keys merged through its log-sum-exp.
+
+    Backward hands the kernel the merged output and log-sum-exp, so its gradients for the causal block are
+    normalised over all keys; the diagonal keys' gradients are elementwise, O(T) per step.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, n_diag: int, *kv: torch.Tensor) -> torch.Tensor:
+        keys, values = kv[: n_diag + 1], kv[n_diag + 1:]
+        rep = q.shape[1] // keys[0].shape[1]
+        scale = q.shape[-1] ** -0.5
+        with torch.autocast("cpu", enabled=False):
+            k, v = ([x.to(q.dtype).repeat_interleave(rep, 1) for x in xs] for xs in (keys, values))
+            out, lse = _CPU_FLASH[0](q, k[0], v[0], 0.0, True, scale=scale)
+            acc = lse.dtype  # float32 (float64 for float64 inputs)
+            if n_diag:
+                d = torch.stack([(q.to(acc) * kj.to(acc)).sum(-1) * scale for kj in k[1:]], -1)
+                merged = torch.logaddexp(lse, d.logsumexp(-1))
+                p = (d - merged[..., None]).exp()
+                o = out.to(acc) * (lse - merged).exp()[..., None]
+                for j, vj in enumerate(v[1:]):
+                    o = o + p[..., j, None] * vj.to(acc)
+                out, lse = o.to(q.dtype), merged
+        ctx.save_for_backward(q, out, lse, *k, *v)
+        ctx.n_diag, ctx.rep, ctx.scale = n_diag, rep, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, out, lse, *kv = ctx.saved_tensors
+        n, rep, scale = ctx.n_diag + 1, ctx.rep, ctx.scale
+        k, v = kv[:n], kv[n:]
+        with torch.autocast("cpu", enabled=False):
+            grad = grad.to(q.dtype).contiguous()
+            dq, dk0, dv0 = _CPU_FLASH[1](grad, q, k[0], v[0], out, lse, 0.0, True, scale=scale)
+            acc = lse.dtype
+            dq, g, qa = dq.to(acc), grad.to(acc), q.to(acc)
+            delta = (g * out.to(acc)).sum(-1)
+            dk, dv = [dk0], [dv0]
+            for kj, vj in zip(k[1:], v[1:], strict=True):
+                ka, va = kj.to(acc), vj.to(acc)
+                p = ((qa * ka).sum(-1) * scale - lse).exp()
+                ds = p * ((g * va).sum(-1) - delta)
+                dq = dq + scale * ds[..., None] * ka
+                dk.append(scale * ds[..., None] * qa)
+                dv.append(p[..., None] * g)
+
+        def fold(x: torch.Tensor) -> torch.Tensor:  # repeated heads' gradients summed onto their kv head
+            b, h, t, d = x.shape
+            return x.to(acc).view(b, h // rep, rep, t, d).sum(2).to(q.dtype)
+
+        return dq.to(q.dtype), None, *(fold(x) for x in dk), *(fold(x) for x in dv)
 
 
 def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int, decay: float = 0.8,
