@@ -38,12 +38,13 @@ def bench_tau(drafter: Path, out: Path, args: argparse.Namespace) -> float:
     return methods[f"eagle3 chain k={args.chain}"]["acceptance_length"]
 
 
-def plot(points: list[dict], path: Path, chain: int) -> None:
+def plot(points: list[dict], path: Path, chain: int, steps: int | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    points = sorted(points, key=lambda p: p["conversations"])
     xs = [p["conversations"] for p in points]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, [p["held_out_tau"] for p in points], "o-", label="held-out simulated tau (2 drafts)")
@@ -52,7 +53,7 @@ def plot(points: list[dict], path: Path, chain: int) -> None:
     ax.set_xlabel("training conversations")
     ax.set_ylabel("acceptance length (tau)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(title=f"{steps:,} training steps each" if steps else None)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                        "train_s": r["train_s"]})
         print(json.dumps(points[-1]), file=sys.stderr, flush=True)
     (out / "scaling.json").write_text(json.dumps(points, indent=2))
-    plot(points, out / "scaling.png", args.chain)
+    plot(points, out / "scaling.png", args.chain, base.get("max_steps"))
     print(f"{'conversations':>14}{'held-out tau':>14}{'MT-bench tau':>14}")
     for p in points:
         print(f"{p['conversations']:>14}{p['held_out_tau']:>14.3f}{p['mt_bench_tau']:>14.3f}")
