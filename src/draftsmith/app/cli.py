@@ -10,6 +10,7 @@ import sys
 from draftsmith import __version__
 from draftsmith.app import stage_commands as stages
 from draftsmith.app.args import K_BOUND, TREE_BOUND, USER_ERRORS, add_target_args, fail, parse_ints
+from draftsmith.core.allocator import keep_freed_memory
 from draftsmith.core.errors import UsageError, one_line
 from draftsmith.data.chat import encode_prompt, stop_token_ids
 
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("doctor", "serve"):  # before the library imports below: doctor answers in under a second
         return _doctor_or_serve(args)
     _quiet_libraries()
+    keep_freed_memory()  # the commands below run the models (core/allocator.py says why)
     try:
         if args.command == "decode":
             return _decode(args)

@@ -1,0 +1,42 @@
+"""Keep freed tensor memory in the process, so that a training step does not pay the kernel to zero it again.
+
+PyTorch on CPU allocates through the C library's ``malloc``. glibc serves blocks over its mmap threshold (at most
+32 MiB) with a fresh ``mmap`` and hands them back with ``munmap`` when freed, and trims the top of its heap
+once more than ``M_TRIM_THRESHOLD`` is free there. A training step allocates and frees the same large tensors
+(activations, soft labels over the draft vocabulary, their gradients) every step, so each step faults in and
+zero-fills those pages again. ``keep_freed_memory`` tells glibc to serve every block from its heap and never to
+trim it: freed blocks are reused as they are, and the process keeps its peak memory until it exits.
+
+The allocators the field preloads for this (tcmalloc, jemalloc: vLLM's and Intel's CPU guides) need a system
+package and ``LD_PRELOAD`` before the process starts; glibc's own ``mallopt`` does the same for this pattern, at
+any time, with nothing to install. It changes where memory comes from, never a value: results are bitwise the
+same. Elsewhere (musl, macOS, Windows) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+M_MMAP_MAX = -4
+ENV_OFF = "DRAFTSMITH_SYSTEM_MALLOC"  # set to 1 to leave the C library's allocator as it is
+
+
+def keep_freed_memory() -> bool:
+    """Serve every allocation from glibc's heap and never give it back; True when it took effect.
+
+    Process-wide, so only the command-line entry point calls it (a library caller decides for its own process).
+    """
+    if os.environ.get(ENV_OFF, "") not in ("", "0") or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # mallopt returns 1 on success. The trim threshold is an int: its largest value means "never trim".
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
