@@ -312,6 +312,9 @@ def main() -> int:
     ap.add_argument("--mtbench", type=int, default=0, help="also measure on this many MT-bench first turns")
     ap.add_argument("--drafter", choices=("best", "final"), default="best", help="checkpoint to measure")
     args = ap.parse_args()
+    from draftsmith.core.allocator import keep_freed_memory
+
+    keep_freed_memory()  # train as `draftsmith train` does
 
     tiny = args.target == "tiny"
     args.max_steps = args.max_steps or (240 if tiny else 150)

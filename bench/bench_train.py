@@ -261,6 +261,9 @@ def main() -> int:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
     args = ap.parse_args()
+    from draftsmith.core.allocator import keep_freed_memory
+
+    keep_freed_memory()  # train as `draftsmith train` does
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.core.allocator import keep_freed_memory
 from draftsmith.stages.train.config import load_config
 from draftsmith.stages.train.run import train
 
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="one run folder per variant goes here")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args(argv)
+    keep_freed_memory()  # train as `draftsmith train` does
     base = json.loads(Path(args.base).read_text()) if args.base else {}
     base = {k: v for k, v in base.items() if v is not None}
     base.update(store=args.store, conversations=None, progress=False)

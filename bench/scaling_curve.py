@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipe_levers import run_variant  # noqa: E402
 
+from draftsmith.core.allocator import keep_freed_memory  # noqa: E402
 from draftsmith.data.store import FeatureStore  # noqa: E402
 from draftsmith.stages.train.data import first_samples, split_eval  # noqa: E402
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     args = ap.parse_args(argv)
+    keep_freed_memory()  # train as `draftsmith train` does
     base = {k: v for k, v in json.loads(Path(args.base).read_text()).items() if v is not None}
     base.update(store=args.store, progress=False)
     base.pop("conversations", None)
