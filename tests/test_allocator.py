@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -47,8 +48,6 @@ def test_freed_memory_is_reused_without_page_faults():
 
 
 def test_the_environment_switch_leaves_the_system_allocator():
-    import os
-
     env = {**os.environ, "DRAFTSMITH_SYSTEM_MALLOC": "1"}
     took, faults = _faults("keep", env)
     assert took == "False"

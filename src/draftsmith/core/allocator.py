@@ -28,7 +28,8 @@ ENV_OFF = "DRAFTSMITH_SYSTEM_MALLOC"  # set to 1 to leave the C library's alloca
 def keep_freed_memory() -> bool:
     """Serve every allocation from glibc's heap and never give it back; True when it took effect.
 
-    Process-wide, so only the command-line entry point calls it (a library caller decides for its own process).
+    Process-wide, so only entry points call it (the CLI, the bench scripts that train); a library caller decides
+    for its own process.
     """
     if os.environ.get(ENV_OFF, "") not in ("", "0") or platform.libc_ver()[0] != "glibc":
         return False
