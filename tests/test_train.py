@@ -547,6 +547,41 @@ def test_the_time_budget_plans_the_most_steps_whose_estimate_fits():
     assert (n - 5) + 4 * (n // 10 - 0 + (n % 10 != 0)) <= left < (n + 1 - 5) + 4 * ((n + 1) // 10 + ((n + 1) % 10 != 0))
 
 
+def test_the_time_budget_plans_again_at_each_evaluation_from_the_steps_timed_since(workspace, small_store, tmp_path,
+                                                                                     monkeypatch):
+    """An early plan that missed the steady step cost is corrected at the next evaluations: the run ends at the
+    last plan, its cosine at the floor there, and a resumed run's budget counts the time its checkpoint spent."""
+    from draftsmith.stages.train import loop
+
+    seen: list = []
+
+    def plan(budget_s, max_steps, timing):
+        seen.append((max_steps, timing))
+        return 30 if timing.step < 10 else 20
+
+    monkeypatch.setattr(loop, "plan_steps", plan)
+
+    def cfg(out, **kw):
+        return _cfg(workspace, out, conversations=None, store=str(small_store), max_steps=40, warmup_steps=5,
+                    eval_every=5, max_minutes=2.0, **kw)
+
+    assert train(cfg(tmp_path / "a")).steps == 20
+    assert [(m, t.step) for m, t in seen] == [(40, 5), (40, 10), (40, 15)]  # after the warm-up, then each eval
+    assert all(t.step_s > 0 for _, t in seen) and seen[1][1].eval_s > 0  # an evaluation was timed by then
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["planned_steps"] for r in rows if "planned_steps" in r] == [30, 20, 20]
+    lrs = [r["lr"] for r in rows if "lr" in r and r["step"] == 20]
+    assert lrs and lrs[-1] == pytest.approx(3e-3 * 0.1)
+
+    seen.clear()
+    train(cfg(tmp_path / "b", stop_at_step=9))
+    spent = torch.load(tmp_path / "b" / "checkpoints" / "step-0000009" / "trainer_state.pt",
+                       weights_only=True)["state"]["elapsed_s"]
+    resumed = train(cfg(tmp_path / "b", resume=True))
+    assert resumed.steps == 20 and [t.step for _, t in seen] == [5, 15]  # resumed at 9: its first window ends at 15
+    assert spent > 0 and seen[-1][1].elapsed_s > spent
+
+
 def test_a_time_budget_fixes_the_step_count_once_and_resume_keeps_it(workspace, small_store, tmp_path, monkeypatch):
     """The plan is made after the warm-up from what was timed, the cosine ends at the planned step, and a run
     killed after the plan resumes to the same weights as one that was not, whatever budget the resume gives."""

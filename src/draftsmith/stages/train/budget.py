@@ -1,9 +1,11 @@
-"""A wall-clock budget for training: how many steps fit, planned once from the steps already timed.
+"""A wall-clock budget for training: how many steps fit, planned from the steps already timed.
 
 ``max_minutes`` bounds a run by time instead of by steps: machines differ several-fold in seconds per step, and
-a recipe that must fit N minutes everywhere cannot fix its step count. The count is decided once, early
-(after the warm-up, whose learning rates do not depend on it), then fixed: the cosine decays to its floor at
-the planned end as it would at ``max_steps``, and a resumed run keeps the plan its checkpoint recorded.
+a recipe that must fit N minutes everywhere cannot fix its step count. The count is planned early (after the
+warm-up, whose learning rates do not depend on it) and planned again at each evaluation from the steps timed
+since, so an early estimate that missed the steady cost is corrected while the run can still act on it. The
+cosine decays to its floor at the planned end as it would at ``max_steps``; a checkpoint keeps the plan and the
+time spent, so a resumed run goes on with both.
 
 The first epoch costs more per step than the rest: the teacher's full-vocabulary argmax of each stored sample
 is computed on its first visit and cached (``loop.Teacher``). The estimate therefore splits the timed steps

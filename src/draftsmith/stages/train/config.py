@@ -37,8 +37,8 @@ class TrainConfig:
     epochs: int = 1
     train_samples: int = 0  # 0: every training sample; N: the first N by id hash (data-scaling curves)
     max_steps: int = 0  # 0: as many optimizer steps as `epochs` give
-    # 0: no bound. Else the step count (at most max_steps/epochs') is planned once, after the warm-up, to end
-    # within this many minutes of the run's start (train/budget.py); the checkpoint keeps the plan.
+    # 0: no bound. Else the step count (at most max_steps/epochs') is planned after the warm-up, and again at each
+    # evaluation, to end within this many minutes of the run's start (train/budget.py); the checkpoint keeps it.
     max_minutes: float = 0.0
     batch_tokens: int = 2048  # tokens per micro-batch (length-bucketed, right-padded)
     grad_accum: int = 1

@@ -127,7 +127,8 @@ class Run:
     source: StoreSource | OnlineSource
     train_idx: list[int]
     eval_idx: list[int]
-    total_steps: int
+    total_steps: int  # the steps this run will take: step_ceiling, or a time budget's plan
+    step_ceiling: int  # max_steps, or the steps `epochs` give
     drafter: Eagle3Drafter
     teacher: Teacher
     params: list[torch.nn.Parameter]
@@ -136,16 +137,36 @@ class Run:
     state: dict
     log: MetricsLog
     bar: object | None  # a tqdm bar on rank 0 when progress is on
-    started: float = 0.0  # perf_counter() when the run began (setup included): the time budget counts from it
+    # perf_counter() when the run began (setup included), less the time its checkpoint's sessions already spent:
+    # the time budget counts from it
+    started: float = 0.0
 
 
-def _plan_budget(run: Run, session_steps: int, loop_s: float, argmax_s: float, eval_s: float, evals: int) -> None:
-    """Fix ``run.total_steps`` to what fits ``max_minutes`` (train/budget.py), once; the checkpoint keeps it."""
+@dataclass
+class BudgetWindow:
+    """What the time budget has measured since its last plan: the steps, and the parts of their time that were
+    not steps (first visits' argmax, evaluations)."""
+
+    t0: float
+    step0: int
+    argmax_s0: float
+    eval_s0: float
+
+    def step_s(self, run: Run, now: float, eval_s: float) -> float:
+        spent = now - self.t0 - (run.teacher.argmax_s - self.argmax_s0) - (eval_s - self.eval_s0)
+        return max(1e-6, spent / max(1, run.state["step"] - self.step0))
+
+
+def _plan_budget(run: Run, step_s: float, one_eval_s: float | None) -> None:
+    """Set ``run.total_steps`` to what fits ``max_minutes`` (train/budget.py); the checkpoint keeps it.
+
+    The first plan comes after the warm-up; later ones at each evaluation, from the steps timed since the last,
+    since a step's early estimate can miss its steady cost by a fifth (the first epoch's argmax is only
+    subtracted as measured). A changed plan moves the cosine's end, so the learning rate shifts a little there."""
     cfg, state, lengths = run.cfg, run.state, run.source.lengths
-    step_s = max(1e-6, (loop_s - argmax_s - eval_s) / session_steps)  # eval_s: without its argmax
     per_token = run.teacher.argmax_s / run.teacher.argmax_tokens if run.teacher.argmax_tokens else 0.0
     eval_tokens = sum(lengths[i] for i in run.eval_idx)
-    one_eval = eval_s / evals if evals else eval_tokens / cfg.batch_tokens * step_s / 3
+    one_eval = one_eval_s if one_eval_s is not None else eval_tokens / cfg.batch_tokens * step_s / 3
     uncached = sum(lengths[i] for i in [*run.train_idx, *run.eval_idx] if not run.teacher.cached(i))
     steps_per_epoch = max(1, len(make_batches(run.train_idx, lengths, cfg.batch_tokens, cfg.seed))
                           // run.world // cfg.grad_accum)
@@ -153,16 +174,18 @@ def _plan_budget(run: Run, session_steps: int, loop_s: float, argmax_s: float, e
                     uncached if isinstance(run.source, StoreSource) else 0, steps_per_epoch,
                     one_eval if run.eval_idx else 0.0, cfg.eval_every)
     budget_s = cfg.max_minutes * 60
-    planned = plan_steps(budget_s, run.total_steps, timing)
+    planned = plan_steps(budget_s, run.step_ceiling, timing)
     if run.world > 1:  # every rank runs rank 0's plan
         t = torch.tensor([planned])
         dist.broadcast(t, src=0)
         planned = int(t.item())
+    before = state.get("planned_steps")
     state["planned_steps"] = run.total_steps = planned
     run.sched.lr_lambdas[0].total_steps = planned
     if run.rank == 0:
-        print(f"train: {describe_plan(planned, cfg.max_steps or planned, budget_s, timing)}", file=sys.stderr,
-              flush=True)
+        if before is None or abs(planned - before) > 0.02 * before:
+            print(f"train: {describe_plan(planned, run.step_ceiling, budget_s, timing)}", file=sys.stderr,
+                  flush=True)
         run.log.write(step=state["step"], planned_steps=planned, step_s=round(step_s, 4))
     if run.bar is not None:
         run.bar.total = planned
@@ -175,7 +198,8 @@ def train_loop(run: Run) -> dict:
     opt, sched, params, log, bar = run.opt, run.sched, run.params, run.log, run.bar
     last_eval: dict = {}
     tokens_seen, t_start = 0, time.perf_counter()
-    session_steps, eval_s, evals, argmax_s0 = 0, 0.0, 0, run.teacher.argmax_s
+    session_steps, eval_s, evals = 0, 0.0, 0
+    window = BudgetWindow(t_start, state["step"], run.teacher.argmax_s, 0.0)
     drafter.train()
     while state["step"] < run.total_steps:
         batches = make_batches(run.train_idx, run.source.lengths, cfg.batch_tokens, cfg.seed * 1000 + state["epoch"])
@@ -211,8 +235,9 @@ def train_loop(run: Run) -> dict:
             session_steps += 1
             if (cfg.max_minutes > 0 and "planned_steps" not in state and session_steps >= MIN_TIMED_STEPS
                     and step >= cfg.warmup_steps):
-                _plan_budget(run, session_steps, time.perf_counter() - t_start, run.teacher.argmax_s - argmax_s0,
-                             eval_s, evals)
+                now = time.perf_counter()
+                _plan_budget(run, window.step_s(run, now, eval_s), eval_s / evals if evals else None)
+                window = BudgetWindow(now, step, run.teacher.argmax_s, eval_s)
             if step % cfg.log_every == 0 or step == run.total_steps:
                 rate = tokens_seen * world / max(time.perf_counter() - t_start, 1e-9)
                 log.write(step=step, elapsed_s=round(time.perf_counter() - t_start, 3),
@@ -237,8 +262,14 @@ def train_loop(run: Run) -> dict:
                     save_drafter_atomic(drafter, out / "best")
                     (out / "best" / "eval.json").write_text(json.dumps({"step": step, **last_eval}, indent=2))
                 drafter.train()
+            if ("planned_steps" in state and step % cfg.eval_every == 0 and step < run.total_steps
+                    and step - window.step0 >= MIN_TIMED_STEPS):
+                now = time.perf_counter()
+                _plan_budget(run, window.step_s(run, now, eval_s), eval_s / evals if evals else None)
+                window = BudgetWindow(now, step, run.teacher.argmax_s, eval_s)
             stop = cfg.stop_at_step and step >= cfg.stop_at_step
             if step % cfg.save_every == 0 or step == run.total_steps or stop:
+                state["elapsed_s"] = time.perf_counter() - run.started
                 save_checkpoint(out, drafter, opt, sched, state, run.rank)
             if stop:
                 break

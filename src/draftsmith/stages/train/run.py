@@ -88,10 +88,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     drafter = _setup_drafter(cfg, heads, dv, aux_layers, device, compute_dtype)
     train_idx, eval_idx = split_eval(source.ids, cfg.eval_fraction)
     train_idx = first_samples(source.ids, train_idx, cfg.train_samples)
-    total_steps = _total_steps(cfg, train_idx, source.lengths, world)
-    params, opt, sched = _setup_optimizer(cfg, drafter, total_steps, world)
+    step_ceiling = _total_steps(cfg, train_idx, source.lengths, world)
+    params, opt, sched = _setup_optimizer(cfg, drafter, step_ceiling, world)
     state = _setup_state(cfg, out, drafter, opt, sched)
-    total_steps = int(state.get("planned_steps", total_steps))  # a time budget's plan (its schedule is restored)
+    total_steps = int(state.get("planned_steps", step_ceiling))  # a time budget's plan (its schedule is restored)
+    started -= state.get("elapsed_s", 0.0)  # a resumed run's budget counts the time its checkpoint already spent
     autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world)
     teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype, cfg.teacher_temperature)
     log = MetricsLog(out, rank)
@@ -103,7 +104,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
 
     bar = progress_bar(cfg, rank, total_steps, state["step"])
     last_eval = train_loop(Run(cfg, out, device, autocast, rank, world, source, train_idx, eval_idx, total_steps,
-                               drafter, teacher, params, opt, sched, state, log, bar, started))
+                               step_ceiling, drafter, teacher, params, opt, sched, state, log, bar, started))
     if bar is not None:
         bar.close()
     if rank == 0:
