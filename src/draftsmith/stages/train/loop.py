@@ -184,8 +184,11 @@ def _plan_budget(run: Run, step_s: float, one_eval_s: float | None) -> None:
     run.sched.lr_lambdas[0].total_steps = planned
     if run.rank == 0:
         if before is None or abs(planned - before) > 0.02 * before:
-            print(f"train: {describe_plan(planned, run.step_ceiling, budget_s, timing)}", file=sys.stderr,
-                  flush=True)
+            line = f"train: {describe_plan(planned, run.step_ceiling, budget_s, timing)}"
+            if run.bar is not None:
+                run.bar.write(line, file=sys.stderr)  # on its own line, the bar redrawn below it
+            else:
+                print(line, file=sys.stderr, flush=True)
         run.log.write(step=state["step"], planned_steps=planned, step_s=round(step_s, 4))
     if run.bar is not None:
         run.bar.total = planned
