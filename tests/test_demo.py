@@ -165,12 +165,14 @@ def test_the_plan_is_decided_once_per_workdir(tmp_path):
     """A rerun reads plan.json, so a resumed capture stops where the first run meant to; new settings replan."""
     from dataclasses import replace
 
-    from draftsmith.app.demo import demo_plan
+    from draftsmith.app.demo import bench_estimate, demo_plan
 
     target = load_target(save_tiny_target(tmp_path / "t"))
     p = replace(PRESETS["tiny"], minutes=20)
     first = demo_plan(p, tmp_path, target, target, 0.01, None)
     assert first.conversations == p.conversations and first.bench_s > 0
+    # after capture the bench is probed again at the plan's sizes; the demo keeps the lower estimate
+    assert 0 < bench_estimate(p, target, first) < 10 * first.bench_s
     assert demo_plan(p, tmp_path, None, None, None, None) == first  # nothing measured: no target needed
     with pytest.raises(AttributeError):  # other settings: measured again (here on no target at all)
         demo_plan(replace(p, minutes=5), tmp_path, None, None, None, None)

@@ -18,7 +18,15 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from draftsmith.app.demo_budget import LOOKUP_KS, Plan, Rates, plan, train_minutes, verified_per_method
+from draftsmith.app.demo_budget import (
+    LOOKUP_KS,
+    Plan,
+    Rates,
+    bench_seconds,
+    plan,
+    train_minutes,
+    verified_per_method,
+)
 from draftsmith.core.errors import UsageError
 
 
@@ -177,9 +185,10 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     run_dir = work / "run"
     budget = 0.0
     if p.minutes and not (run_dir / "final" / "model.safetensors").is_file():
-        budget = train_minutes(p.minutes, time.perf_counter() - t0, sizes.bench_s)
+        bench_s = min(sizes.bench_s, bench_estimate(p, tgt, sizes))
+        budget = train_minutes(p.minutes, time.perf_counter() - t0, bench_s)
         print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
-              f"~{sizes.bench_s / 60:.1f} kept for the bench, {budget:.1f} for training", file=sys.stderr)
+              f"~{bench_s / 60:.1f} kept for the bench, {budget:.1f} for training", file=sys.stderr)
     steps = (p.step_ceiling or p.max_steps) if budget else p.max_steps
     t = _stage("3/5 train: " + (f"as many steps as fit {budget:.1f} min, at most {steps}" if budget
                                  else f"{steps} steps") + f", ttt_steps={p.ttt_steps}")
@@ -244,7 +253,6 @@ def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | Non
     """
     from draftsmith.core.io import atomic_write
     from draftsmith.stages.capture import record_tokens
-    from draftsmith.stages.shapes import measure_verify_cost
     from draftsmith.stages.step_config import BULK_TOKENS, bulk_pass_time
 
     path = work / "plan.json"
@@ -256,16 +264,34 @@ def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | Non
     except (OSError, ValueError, KeyError, TypeError):
         pass
     methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
-    cost = measure_verify_cost(target, None, ks=tuple(sorted({1, 4, *methods})), reps=5)
+    cost, decode_s = bench_probe(p, target)
     records = record_tokens(cap_cfg, target.tokenizer) if cap_cfg is not None else []
-    rates = Rates(cost, BULK_TOKENS / (cap_pass_s or bulk_pass_time(cap_target)), records,
-                  plain_decode_s_per_token(target))
+    rates = Rates(cost, BULK_TOKENS / (cap_pass_s or bulk_pass_time(cap_target)), records, decode_s)
     sizes = plan(p.minutes, p.conversations, p.bench_limit, p.bench_tokens, methods, rates,
                  datasets=len(p.bench_datasets))
     for line in sizes.cuts:
         print(f"time budget {p.minutes:g} min: {line}", file=sys.stderr)
     atomic_write(path, json.dumps({"settings": key, "plan": sizes.to_dict()}, indent=1).encode())
     return sizes
+
+
+def bench_probe(p: Preset, target) -> tuple:
+    """The bench's rates on this machine: a short verify curve at the sizes its methods verify, and plain
+    decoding's seconds a token."""
+    from draftsmith.stages.shapes import measure_verify_cost
+
+    methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
+    return (measure_verify_cost(target, None, ks=tuple(sorted({1, 4, *methods})), reps=5),
+            plain_decode_s_per_token(target))
+
+
+def bench_estimate(p: Preset, target, sizes: Plan) -> float:
+    """The bench's seconds at the plan's sizes, probed again after capture: the first probe, taken minutes
+    earlier, can catch the machine in a slow minute (README: one ran 35% slow) and take training's time."""
+    cost, decode_s = bench_probe(p, target)
+    methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
+    return bench_seconds(Rates(cost, 1.0, (), decode_s), sizes.bench_limit, sizes.bench_tokens, methods,
+                         datasets=len(p.bench_datasets))
 
 
 def plain_decode_s_per_token(target, short: int = 8, long: int = 56) -> float:
