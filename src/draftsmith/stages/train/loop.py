@@ -195,6 +195,16 @@ def _plan_budget(run: Run, step_s: float, one_eval_s: float | None) -> None:
         run.bar.refresh()
 
 
+def _plan_due(run: Run, session_steps: int, window: BudgetWindow) -> bool:
+    """A time budget plans once its warm-up is timed, then again at each evaluation with enough steps timed."""
+    cfg, step = run.cfg, run.state["step"]
+    if cfg.max_minutes <= 0 or step >= run.total_steps:
+        return False
+    if "planned_steps" not in run.state:
+        return session_steps >= MIN_TIMED_STEPS and step >= cfg.warmup_steps
+    return step % cfg.eval_every == 0 and step - window.step0 >= MIN_TIMED_STEPS
+
+
 def train_loop(run: Run) -> dict:
     """Optimizer steps until ``total_steps`` (or ``stop_at_step``); returns the last evaluation's results."""
     cfg, state, drafter, out, device, world = run.cfg, run.state, run.drafter, run.out, run.device, run.world
@@ -236,11 +246,6 @@ def train_loop(run: Run) -> dict:
             state["batch_in_epoch"] += cfg.grad_accum
             step = state["step"]
             session_steps += 1
-            if (cfg.max_minutes > 0 and "planned_steps" not in state and session_steps >= MIN_TIMED_STEPS
-                    and step >= cfg.warmup_steps):
-                now = time.perf_counter()
-                _plan_budget(run, window.step_s(run, now, eval_s), eval_s / evals if evals else None)
-                window = BudgetWindow(now, step, run.teacher.argmax_s, eval_s)
             if step % cfg.log_every == 0 or step == run.total_steps:
                 rate = tokens_seen * world / max(time.perf_counter() - t_start, 1e-9)
                 log.write(step=step, elapsed_s=round(time.perf_counter() - t_start, 3),
@@ -265,8 +270,7 @@ def train_loop(run: Run) -> dict:
                     save_drafter_atomic(drafter, out / "best")
                     (out / "best" / "eval.json").write_text(json.dumps({"step": step, **last_eval}, indent=2))
                 drafter.train()
-            if ("planned_steps" in state and step % cfg.eval_every == 0 and step < run.total_steps
-                    and step - window.step0 >= MIN_TIMED_STEPS):
+            if _plan_due(run, session_steps, window):
                 now = time.perf_counter()
                 _plan_budget(run, window.step_s(run, now, eval_s), eval_s / evals if evals else None)
                 window = BudgetWindow(now, step, run.teacher.argmax_s, eval_s)
