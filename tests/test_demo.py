@@ -183,3 +183,19 @@ def _has_mtbench() -> bool:
         return bool(load_prompts("mt-bench", 1))
     except FileNotFoundError:
         return False
+
+
+def test_a_resumed_demo_trains_to_the_budget_its_first_run_gave_training(tmp_path):
+    """Training plans against the time its checkpoint spent; a rerun's fresh (larger) budget would stretch it."""
+    from draftsmith.app.demo import _first_train_budget
+
+    run = tmp_path / "run"
+    assert _first_train_budget(run) == 0.0
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"max_minutes": 11.6}))
+    assert _first_train_budget(run) == 0.0  # no checkpoint: a fresh start gets what this run leaves
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest").write_text("step-0000160")
+    assert _first_train_budget(run) == 11.6
+    (run / "config.json").write_text("{not json")
+    assert _first_train_budget(run) == 0.0

@@ -185,10 +185,15 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     run_dir = work / "run"
     budget = 0.0
     if p.minutes and not (run_dir / "final" / "model.safetensors").is_file():
-        bench_s = min(sizes.bench_s, bench_estimate(p, tgt, sizes))
-        budget = train_minutes(p.minutes, time.perf_counter() - t0, bench_s)
-        print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
-              f"~{bench_s / 60:.1f} kept for the bench, {budget:.1f} for training", file=sys.stderr)
+        budget = _first_train_budget(run_dir)
+        if budget:
+            print(f"time budget {p.minutes:g} min: training resumes with the {budget:.1f} min its first run got",
+                  file=sys.stderr)
+        else:
+            bench_s = min(sizes.bench_s, bench_estimate(p, tgt, sizes))
+            budget = train_minutes(p.minutes, time.perf_counter() - t0, bench_s)
+            print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
+                  f"~{bench_s / 60:.1f} kept for the bench, {budget:.1f} for training", file=sys.stderr)
     steps = (p.step_ceiling or p.max_steps) if budget else p.max_steps
     t = _stage("3/5 train: " + (f"as many steps as fit {budget:.1f} min, at most {steps}" if budget
                                  else f"{steps} steps") + f", ttt_steps={p.ttt_steps}")
@@ -308,6 +313,17 @@ def plain_decode_s_per_token(target, short: int = 8, long: int = 56) -> float:
         decoder.generate(prompt, n)  # no stop tokens: exactly n
         took[n] = time.perf_counter() - t
     return max(took[long] - took[short], 1e-9) / (long - short)
+
+
+def _first_train_budget(run_dir: Path) -> float:
+    """The minutes an interrupted training run was given (its config.json), 0 if none: a rerun keeps them, since
+    training plans its steps against the time its checkpoint has spent, and a fresh budget would stretch it."""
+    if not (run_dir / "checkpoints" / "latest").is_file():
+        return 0.0  # nothing to resume: training starts afresh, with what this run leaves it
+    try:
+        return float(json.loads((run_dir / "config.json").read_text()).get("max_minutes") or 0.0)
+    except (OSError, ValueError, AttributeError):
+        return 0.0
 
 
 def _trained_steps(run_dir: Path) -> int | None:
