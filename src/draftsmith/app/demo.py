@@ -28,6 +28,7 @@ from draftsmith.app.demo_budget import (
     verified_per_method,
 )
 from draftsmith.core.errors import UsageError
+from draftsmith.stages.shapes import VerifyCost
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | Non
     return sizes
 
 
-def bench_probe(p: Preset, target) -> tuple:
+def bench_probe(p: Preset, target) -> tuple[VerifyCost, float]:
     """The bench's rates on this machine: a short verify curve at the sizes its methods verify, and plain
     decoding's seconds a token."""
     from draftsmith.stages.shapes import measure_verify_cost
@@ -292,7 +293,7 @@ def bench_probe(p: Preset, target) -> tuple:
 
 def bench_estimate(p: Preset, target, sizes: Plan) -> float:
     """The bench's seconds at the plan's sizes, probed again after capture: the first probe, taken minutes
-    earlier, can catch the machine in a slow minute (README: one ran 35% slow) and take training's time."""
+    earlier, can catch the machine in a slow minute and take training's time (README, the demo's budget)."""
     cost, decode_s = bench_probe(p, target)
     methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
     return bench_seconds(Rates(cost, 1.0, (), decode_s), sizes.bench_limit, sizes.bench_tokens, methods,
