@@ -270,7 +270,7 @@ def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | Non
     except (OSError, ValueError, KeyError, TypeError):
         pass
     methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
-    cost, decode_s = bench_probe(p, target)
+    cost, decode_s = bench_probe(methods, target)
     records = record_tokens(cap_cfg, target.tokenizer) if cap_cfg is not None else []
     rates = Rates(cost, BULK_TOKENS / (cap_pass_s or bulk_pass_time(cap_target)), records, decode_s)
     sizes = plan(p.minutes, p.conversations, p.bench_limit, p.bench_tokens, methods, rates,
@@ -281,12 +281,11 @@ def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | Non
     return sizes
 
 
-def bench_probe(p: Preset, target) -> tuple[VerifyCost, float]:
+def bench_probe(methods: list[int], target) -> tuple[VerifyCost, float]:
     """The bench's rates on this machine: a short verify curve at the sizes its methods verify, and plain
     decoding's seconds a token."""
     from draftsmith.stages.shapes import measure_verify_cost
 
-    methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
     return (measure_verify_cost(target, None, ks=tuple(sorted({1, 4, *methods})), reps=5),
             plain_decode_s_per_token(target))
 
@@ -294,8 +293,8 @@ def bench_probe(p: Preset, target) -> tuple[VerifyCost, float]:
 def bench_estimate(p: Preset, target, sizes: Plan) -> float:
     """The bench's seconds at the plan's sizes, probed again after capture: the first probe, taken minutes
     earlier, can catch the machine in a slow minute and take training's time (README, the demo's budget)."""
-    cost, decode_s = bench_probe(p, target)
     methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
+    cost, decode_s = bench_probe(methods, target)
     return bench_seconds(Rates(cost, 1.0, (), decode_s), sizes.bench_limit, sizes.bench_tokens, methods,
                          datasets=len(p.bench_datasets))
 

@@ -195,14 +195,14 @@ def _plan_budget(run: Run, step_s: float, one_eval_s: float | None) -> None:
         run.bar.refresh()
 
 
-def _plan_due(run: Run, session_steps: int, window: BudgetWindow) -> bool:
+def _plan_due(run: Run, window: BudgetWindow) -> bool:
     """A time budget plans once its warm-up is timed, then again at each evaluation with enough steps timed."""
     cfg, step = run.cfg, run.state["step"]
-    if cfg.max_minutes <= 0 or step >= run.total_steps:
+    if cfg.max_minutes <= 0 or step >= run.total_steps or step - window.step0 < MIN_TIMED_STEPS:
         return False
     if "planned_steps" not in run.state:
-        return session_steps >= MIN_TIMED_STEPS and step >= cfg.warmup_steps
-    return step % cfg.eval_every == 0 and step - window.step0 >= MIN_TIMED_STEPS
+        return step >= cfg.warmup_steps
+    return step % cfg.eval_every == 0
 
 
 def train_loop(run: Run) -> dict:
@@ -211,7 +211,7 @@ def train_loop(run: Run) -> dict:
     opt, sched, params, log, bar = run.opt, run.sched, run.params, run.log, run.bar
     last_eval: dict = {}
     tokens_seen, t_start = 0, time.perf_counter()
-    session_steps, eval_s, evals = 0, 0.0, 0
+    eval_s, evals = 0.0, 0
     window = BudgetWindow(t_start, state["step"], run.teacher.argmax_s, 0.0)
     drafter.train()
     while state["step"] < run.total_steps:
@@ -245,7 +245,6 @@ def train_loop(run: Run) -> dict:
             state["step"] += 1
             state["batch_in_epoch"] += cfg.grad_accum
             step = state["step"]
-            session_steps += 1
             if step % cfg.log_every == 0 or step == run.total_steps:
                 rate = tokens_seen * world / max(time.perf_counter() - t_start, 1e-9)
                 log.write(step=step, elapsed_s=round(time.perf_counter() - t_start, 3),
@@ -270,7 +269,7 @@ def train_loop(run: Run) -> dict:
                     save_drafter_atomic(drafter, out / "best")
                     (out / "best" / "eval.json").write_text(json.dumps({"step": step, **last_eval}, indent=2))
                 drafter.train()
-            if _plan_due(run, session_steps, window):
+            if _plan_due(run, window):
                 now = time.perf_counter()
                 _plan_budget(run, window.step_s(run, now, eval_s), eval_s / evals if evals else None)
                 window = BudgetWindow(now, step, run.teacher.argmax_s, eval_s)
