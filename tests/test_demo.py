@@ -72,6 +72,26 @@ def test_tiny_demo_pipeline(tmp_path):
     again = run_demo("tiny", work, target=str(work / "target"), progress=False)
     assert again["bench"][f"eagle3 chain k={preset.chain}"]["acceptance_length"] == chain["acceptance_length"]
     assert again["seconds"]["train"] < result["seconds"]["train"] + 1
+    # Its summary counts both sessions' work: training's from its checkpoint, the rest from times.json.
+    every = again["seconds_all_sessions"]
+    assert every["sessions"] == 2 and every["train"] >= result["seconds"]["train"] * 0.5
+    assert every["bench"] == pytest.approx(result["seconds"]["bench"] + again["seconds"]["bench"])
+    assert every["total"] > result["seconds"]["total"] * 0.9 + again["seconds"]["bench"]
+
+
+def test_stage_times_add_up_over_killed_and_resumed_sessions(tmp_path):
+    from draftsmith.app.demo import StageTimes
+
+    path = tmp_path / "times.json"
+    first = StageTimes(path)
+    first["load"], first["capture"] = 1.0, 10.0  # then killed during training
+    second = StageTimes(path)
+    second["load"], second["capture"], second["train"] = 2.0, 0.5, 30.0
+    every = second.all_sessions(train_s=50.0)  # the checkpoint counts the first session's training too
+    assert every == {"load": 3.0, "capture": 10.5, "train": 50.0, "total": 63.5, "sessions": 2}
+    assert second.all_sessions(train_s=None)["train"] == 30.0 == second.all_sessions(train_s=5.0)["train"]
+    path.write_text("{not json")
+    assert StageTimes(path).all_sessions() == {"total": 0.0, "sessions": 1}  # unreadable: this session alone
 
 
 def test_demo_on_conversations_as_written(tmp_path):

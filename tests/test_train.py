@@ -436,11 +436,17 @@ def test_resume_does_not_repeat_logged_steps(workspace, tmp_path):
     out = tmp_path / "m"
     train(_cfg(workspace, out, log_every=1, stop_at_step=5))  # checkpoints at steps 3 and 5
     (out / "checkpoints" / "latest").write_text("step-0000003")  # as if killed after logging steps 4 and 5
+    state = torch.load(out / "checkpoints" / "step-0000003" / "trainer_state.pt", weights_only=True)
+    spent = state["state"]["elapsed_s"]
     train(_cfg(workspace, out, log_every=1, resume=True))
     rows = read_metrics(out)
     keys = [(r["step"], bool(r.get("eval"))) for r in rows]
     assert len(keys) == len(set(keys)), keys
     assert sorted(k for k, e in keys if not e) == list(range(1, 13))
+    # elapsed_s runs on one clock across the resume: the resumed rows go on from the checkpoint's time.
+    steps = sorted((r["step"], r["elapsed_s"]) for r in rows if not r.get("eval"))
+    assert all(t > spent for s, t in steps if s > 3)
+    assert [t for _, t in steps] == sorted(t for _, t in steps)
 
 
 def test_second_run_into_the_same_out_is_refused(workspace, tmp_path, capsys):

@@ -99,6 +99,40 @@ PRESETS = {
                    eval_every=300, warmup_steps=75),
 }
 
+class StageTimes:
+    """Seconds per stage, this session's and every earlier session's in the same workdir (``times.json``,
+    rewritten at each stage's end): a resumed demo's summary then counts the work of the sessions before it,
+    not the idle time between them. A stage killed part-way counts from its resume, except training, whose
+    checkpoints carry its time across a kill (``all_sessions``)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            sessions = json.loads(path.read_text())["sessions"]
+            earlier = [{str(k): float(v) for k, v in s.items()} for s in sessions]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            earlier = []
+        self.earlier: list[dict[str, float]] = earlier
+        self.session: dict[str, float] = {}
+
+    def __setitem__(self, stage: str, seconds: float) -> None:
+        from draftsmith.core.io import atomic_write
+
+        self.session[stage] = seconds
+        atomic_write(self.path, json.dumps({"sessions": [*self.earlier, self.session]}, indent=1).encode())
+
+    def all_sessions(self, train_s: float | None = None) -> dict[str, float]:
+        """Each stage summed over the sessions, ``train_s`` (the run's checkpointed time) standing in for
+        training where it is more, and the total; ``sessions`` counts them."""
+        sums: dict[str, float] = {}
+        for s in [*self.earlier, self.session]:
+            for k, v in s.items():
+                sums[k] = sums.get(k, 0.0) + v
+        if train_s is not None and train_s > sums.get("train", 0.0):
+            sums["train"] = train_s
+        return {**sums, "total": sum(sums.values()), "sessions": len(self.earlier) + 1}
+
+
 def _stage(name: str) -> float:
     print(f"\n== {name} ==", file=sys.stderr, flush=True)
     return time.perf_counter()
@@ -127,7 +161,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     p = replace(PRESETS[preset], **({"target": target} if target else {}), **overrides)
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    times: dict[str, float] = {}
+    times = StageTimes(work / "times.json")
     t0 = time.perf_counter()
 
     target_path = p.target
@@ -240,7 +274,8 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
                   for name, m in headline.items()},
         "bench_files": {k: str(v) for k, v in paths.items()},
         "vllm_serve": serve_command(target_path, export_dir, p.chain, vllm_python),
-        "seconds": {**times, "total": time.perf_counter() - t0},
+        "seconds": {**times.session, "total": time.perf_counter() - t0},
+        "seconds_all_sessions": times.all_sessions(_trained_seconds(run_dir)),
         "torch_threads": torch.get_num_threads(),
     }
     (work / "summary.json").write_text(json.dumps(result, indent=2))
@@ -335,6 +370,19 @@ def _trained_steps(run_dir: Path) -> int | None:
         return None
 
 
+def _trained_seconds(run_dir: Path) -> float | None:
+    """Training's time over every session, setup included, from its latest checkpoint (None if unreadable)."""
+    import torch
+
+    try:
+        step = (run_dir / "checkpoints" / "latest").read_text().strip()
+        state = torch.load(run_dir / "checkpoints" / step / "trainer_state.pt", map_location="cpu", mmap=True,
+                           weights_only=True)
+        return float(state["state"]["elapsed_s"])
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        return None
+
+
 def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Preset, out: Path, progress: bool,
                            conversations: Path) -> tuple[dict, dict[str, Path]]:
     """`draftsmith bench` in a child process: decoding measured in the process that trained ran slower,
@@ -382,4 +430,8 @@ def print_summary(result: dict, table: str) -> None:
     if result.get("simulated_acceptance_length"):
         print(f"simulated acceptance length at training time: {result['simulated_acceptance_length']:.2f}")
     print(f"serve it: {result['vllm_serve']}")
-    print(f"total {result['seconds']['total'] / 60:.1f} min; summary: {Path(result['workdir']) / 'summary.json'}")
+    every = result["seconds_all_sessions"]
+    earlier = (f" ({every['total'] / 60:.1f} over the workdir's {every['sessions']} sessions)"
+               if every["sessions"] > 1 else "")
+    summary = Path(result["workdir"]) / "summary.json"
+    print(f"total {result['seconds']['total'] / 60:.1f} min{earlier}; summary: {summary}")

@@ -247,7 +247,8 @@ def train_loop(run: Run) -> dict:
             step = state["step"]
             if step % cfg.log_every == 0 or step == run.total_steps:
                 rate = tokens_seen * world / max(time.perf_counter() - t_start, 1e-9)
-                log.write(step=step, elapsed_s=round(time.perf_counter() - t_start, 3),
+                # elapsed_s on the checkpoints' clock: a resumed run's rows go on from its checkpoint's time
+                log.write(step=step, elapsed_s=round(time.perf_counter() - run.started, 3),
                           loss=stats.loss / cfg.grad_accum, acc_0=stats.acc[0],
                           simulated_tau=stats.simulated_acceptance_length, lr=sched.get_last_lr()[0],
                           tokens_per_s=rate)
