@@ -15,6 +15,7 @@ from draftsmith.stages.decode import (
     ChainSpec,
     HybridSpec,
     NgramSpec,
+    SamplingParams,
     SpeculativeDecoder,
     TreeSpec,
     ngram_match,
@@ -338,3 +339,65 @@ def test_calibration_measures_lookup_and_round_trips(tmp_path, monkeypatch):
     reach2, rate2 = acc.lookup_stats(2)
     assert rate2 <= acc.lookup_rate and all(a <= b for a, b in zip(reach2, acc.lookup, strict=True))
     assert Acceptance.from_dict(json.loads(json.dumps(acc.to_dict()))) == acc
+
+
+def test_sampled_calibration_matches_real_sampled_acceptance():
+    """At T>0: a sampled chain's min(p, q) rate and a tree's top-k reach, calibrated on the target's own samples,
+    match what chain-1 and a one-level tree accept when they decode (means over four seeds each)."""
+    target = tiny_target("llama", num_hidden_layers=3)
+    prompts = random_prompts(6, seed=5, max_len=10)
+    plain = SpeculativeDecoder(target)
+    drafter = fit_drafter(target, [p + plain.generate(p, 24).token_ids for p in prompts], steps=80)
+    t, seeds = 0.3, range(4)
+    cal = [shapes.calibrate_acceptance(target, drafter, prompts, depth=2, top_k=4, max_new_tokens=64, temperature=t,
+                                       seed=s) for s in seeds]
+    greedy = shapes.calibrate_acceptance(target, drafter, prompts, depth=2, top_k=4, max_new_tokens=24)
+    acc = cal[0]
+    assert acc.temperature == t and len(acc.chain) == 2 and all(0 < a < 1 for a in acc.chain)
+    assert greedy.chain == () and "T=0.3" in acc.source and "T=" not in greedy.source
+    assert expected_tau(acc, ChainSpec(1)) == pytest.approx(1 + acc.chain[0])
+
+    def rate(spec, seed):
+        g = torch.Generator().manual_seed(100 + seed)
+        steps = [a for p in prompts for a in SpeculativeDecoder(target, drafter, spec).generate(
+            p, 64, SamplingParams(temperature=t), generator=g).accepted_per_step]
+        return sum(steps) / len(steps)
+
+    def mean(xs):
+        xs = list(xs)
+        return sum(xs) / len(xs)
+
+    chain = mean(rate(ChainSpec(1), s) for s in seeds)
+    tree = mean(rate(TreeSpec(1, 4, 5), s) for s in seeds)
+    assert chain > 0.1 and tree > chain  # often enough for the comparison to mean something
+    assert mean(c.chain_rate(0) for c in cal) == pytest.approx(chain, abs=0.06)
+    assert mean(sum(c.ranks[0]) for c in cal) == pytest.approx(tree, abs=0.08)
+
+
+def test_a_sampled_chain_is_weighed_by_its_own_rate():
+    acc = Acceptance(((0.2, 0.3), (0.2, 0.3)), chain=(0.6, 0.5), temperature=1.0)
+    assert expected_tau(acc, ChainSpec(2)) == pytest.approx(1 + 0.6 + 0.6 * 0.5)
+    assert expected_tau(acc, ChainSpec(3)) == pytest.approx(1 + 0.6 + 0.3)  # nothing measured past depth 2
+    assert expected_tau(Acceptance(acc.ranks), ChainSpec(2)) == pytest.approx(1 + 0.2 + 0.04)
+    assert expected_tau(acc, TreeSpec(1, 2, 3)) == pytest.approx(1.5)  # a tree's one-hot children: ranks
+    assert Acceptance.from_dict(acc.to_dict()) == acc
+    choice = choose_shape(acc, curve(0.03, 0.0), [ChainSpec(2), TreeSpec(1, 2, 3)])
+    assert choice.shape == ChainSpec(2) and "at T=1" in choice.reason
+
+
+def test_shape_auto_calibrates_at_the_runs_temperature(model_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    seen = []
+
+    def calibrate(*a, depth, top_k, **k):
+        seen.append(k.get("temperature", 0.0))
+        return Acceptance(((0.5,) + (0.0,) * (top_k - 1),) * depth)
+
+    monkeypatch.setattr(shapes, "calibrate_acceptance", calibrate)
+    _decode(capsys, model_dir, "--dtype", "float32", "--random-drafter", "--shape", "auto")
+    _decode(capsys, model_dir, "--dtype", "float32", "--random-drafter", "--shape", "auto", "--temperature", "0.7")
+    assert seen == [0.0, 0.7]
+    code = main(["bench", "--target", str(model_dir), "--drafter", str(tmp_path / "d"), "--shape", "auto",
+                 "--temperature", "0,1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "one --temperature" in err[0], err

@@ -187,9 +187,12 @@ def _bench(args, argv: list[str]) -> int:
         for n in given_min_ngrams or [1]:
             specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0], n))
     if args.shape:
+        if len(set(temperatures)) > 1:
+            raise UsageError("--shape auto chooses for one temperature (acceptance depends on it): give one "
+                             f"--temperature, got {args.temperature}")
         target, drafter, choice, note = choose_for_drafting(
             args.target, lambda t: load_drafter(args.drafter, t), args.drafter, args.device, args.dtype,
-            parse_ints(args.aux_layers), args.max_new_tokens)
+            parse_ints(args.aux_layers), args.max_new_tokens, temperature=temperatures[0])
     else:
         target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers))
         drafter, choice = load_drafter(args.drafter, target), None
@@ -255,7 +258,7 @@ def _decode(args) -> int:
     if args.shape:
         target, drafter, choice, note = choose_for_drafting(args.target, make_drafter, args.drafter, args.device,
                                                             args.dtype, parse_ints(args.aux_layers),
-                                                            args.max_new_tokens)
+                                                            args.max_new_tokens, temperature=args.temperature)
     else:
         target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers))
         drafter = make_drafter(target) if args.drafter or args.random_drafter else None

@@ -23,7 +23,16 @@ import torch
 
 from draftsmith.core.machine import cache_get, cache_put, machine_key
 from draftsmith.model.target import Target, cache_keep
-from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SpeculativeDecoder, TreeSpec, ngram_match
+from draftsmith.stages.decode import (
+    ChainSpec,
+    HybridSpec,
+    NgramSpec,
+    SamplingParams,
+    SpeculativeDecoder,
+    TreeSpec,
+    logits_to_probs,
+    ngram_match,
+)
 
 Shape = ChainSpec | TreeSpec | HybridSpec
 
@@ -119,6 +128,11 @@ class Acceptance:
     proposes nothing); ``lookup_rate``: how often it proposes anything. Empty: lookup never helps. Both are
     for lookup from any recurring token; ``lookup_by_min[m]`` holds the same pair for lookup that needs an
     n-gram of at least m tokens to recur.
+
+    At temperature > 0 the target's tokens are sampled, and a one-hot candidate (a tree's child, a lookup
+    token) is accepted exactly when the target's sample equals it, so ``ranks`` and ``lookup`` keep their
+    meaning. A chain samples its drafts from the drafter and accepts with min(1, p/q): ``chain[d]`` is that
+    rate, the mean of sum_x min(p(x), q(x)) (empty: greedy, where a chain accepts rank 0).
     """
 
     ranks: tuple[tuple[float, ...], ...]
@@ -126,6 +140,8 @@ class Acceptance:
     lookup: tuple[float, ...] = ()
     lookup_rate: float = 0.0
     lookup_by_min: dict[int, tuple[tuple[float, ...], float]] = field(default_factory=dict)
+    chain: tuple[float, ...] = ()
+    temperature: float = 0.0
 
     def rank(self, depth: int, j: int) -> float:
         if depth >= len(self.ranks) or j >= len(self.ranks[depth]):
@@ -143,16 +159,24 @@ class Acceptance:
         """Top-1 conditional acceptance per position (as training's eval.json records it)."""
         return cls(tuple((float(a),) for a in acc), source)
 
+    def chain_rate(self, depth: int) -> float:
+        """How often a chain's draft at depth+1 is accepted, given the earlier ones were."""
+        if not self.chain:
+            return self.rank(depth, 0)
+        return self.chain[depth] if depth < len(self.chain) else 0.0
+
     def to_dict(self) -> dict:
         return {"ranks": [list(r) for r in self.ranks], "source": self.source, "lookup": list(self.lookup),
                 "lookup_rate": self.lookup_rate,
-                "lookup_by_min": {str(m): [list(r), rate] for m, (r, rate) in self.lookup_by_min.items()}}
+                "lookup_by_min": {str(m): [list(r), rate] for m, (r, rate) in self.lookup_by_min.items()},
+                "chain": list(self.chain), "temperature": self.temperature}
 
     @classmethod
     def from_dict(cls, d: dict, note: str = "") -> Acceptance:
         by_min = {int(m): (tuple(r), float(rate)) for m, (r, rate) in d.get("lookup_by_min", {}).items()}
         return cls(tuple(tuple(r) for r in d["ranks"]), d["source"] + note, tuple(d.get("lookup", ())),
-                   float(d.get("lookup_rate", 0.0)), by_min)
+                   float(d.get("lookup_rate", 0.0)), by_min, tuple(d.get("chain", ())),
+                   float(d.get("temperature", 0.0)))
 
 
 def tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
@@ -161,8 +185,9 @@ def tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
 
     Node value = product of its ranks' acceptance along its path (what the drafter's cumulative score estimates).
     Each level expands the top_k best nodes of the previous level by top_k children; the total_tokens - 1 best
-    nodes overall are kept, as in ``SpeculativeDecoder._draft_tree``. At temperature 0 at most one child per
-    node matches, so the expected number of accepted tokens is the sum of the kept nodes' values.
+    nodes overall are kept, as in ``SpeculativeDecoder._draft_tree``. At most one child per node is accepted
+    (at temperature > 0 too: one-hot candidates are tried in turn), so the expected number of accepted tokens is
+    the sum of the kept nodes' values.
     """
     k = shape.top_k
     level = [acc.rank(0, j) for j in range(k)]
@@ -195,7 +220,7 @@ def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
     if isinstance(shape, ChainSpec):
         tau, run = 1.0, 1.0
         for d in range(shape.k):
-            run *= acc.rank(d, 0)
+            run *= acc.chain_rate(d)
             tau += run
         return tau
     if isinstance(shape, HybridSpec):
@@ -284,8 +309,9 @@ def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[
         if rivals and not isinstance(best, kind):
             r = max(rivals, key=lambda s: table[shape_name(s)])
             others.append(f"{shape_name(r)} {table[shape_name(r)]:.2f}x")
-    reason = (f"expected {table[shape_name(best)]:.2f}x: tau {tau:.2f} at verify {v:.2f}x + draft {dr:.2f}x a step; "
-              f"{', '.join([*others, 'plain 1.00x'])}")
+    at = f" at T={acceptance.temperature:g}" if acceptance.temperature > 0 else ""
+    reason = (f"expected {table[shape_name(best)]:.2f}x{at}: tau {tau:.2f} at verify {v:.2f}x + draft {dr:.2f}x "
+              f"a step; {', '.join([*others, 'plain 1.00x'])}")
     return Choice(best, table[shape_name(best)], reason, table)
 
 
@@ -409,25 +435,32 @@ def calibration_prompts(tokenizer, prompts: Sequence[str] = CALIBRATION_PROMPTS)
 
 @torch.no_grad()
 def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int]], depth: int = 6,
-                         top_k: int = 10, max_new_tokens: int = CALIBRATION_TOKENS) -> Acceptance:
-    """Per-depth, per-rank acceptance of the drafter on the target's own greedy continuations of ``prompts``.
+                         top_k: int = 10, max_new_tokens: int = CALIBRATION_TOKENS, temperature: float = 0.0,
+                         seed: int = 0) -> Acceptance:
+    """Per-depth, per-rank acceptance of the drafter on the target's own continuations of ``prompts``.
 
-    Each prompt is decoded (chain 3: the same tokens as plain greedy, faster), then the drafter is unrolled
-    ``depth`` steps over the whole sequence the way training-time test unrolls it, which is what it computes
-    when drafting token d after d-1 accepted ones. Rank j at depth d counts how often the target's token is
-    the drafter's (j+1)-th choice there. Prompt lookup is replayed on the same text, position by position.
+    Each prompt is decoded (chain 3: the target's own tokens, faster: greedy, or sampled at ``temperature``),
+    then the drafter is unrolled ``depth`` steps over the whole sequence the way training-time test unrolls it,
+    which is what it computes when drafting token d after d-1 accepted ones. Rank j at depth d counts how often
+    the target's token is the drafter's (j+1)-th choice there. Prompt lookup is replayed on the same text,
+    position by position. At temperature > 0 a sampled chain's rate is computed from both distributions.
     """
     from draftsmith.data.chat import stop_token_ids
     from draftsmith.model.ttt import TTTBatch, ttt_forward
 
     stops = stop_token_ids(target.tokenizer) if target.tokenizer is not None else ()
     decoder = SpeculativeDecoder(target, drafter, ChainSpec(3))
+    sampling = SamplingParams(temperature=temperature)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
     top_k = min(top_k, drafter.config.draft_vocab_size)
+    draft_ids = drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=target.device))
     hits = torch.zeros(depth, top_k)
+    chain = torch.zeros(depth)  # sampled chains: summed min(p, q) mass
     counts = torch.zeros(depth)
     lookup = LookupReach()
     for prompt in prompts:
-        gen = decoder.generate(list(prompt), max_new_tokens, eos_token_ids=stops).token_ids
+        gen = decoder.generate(list(prompt), max_new_tokens, sampling, eos_token_ids=stops,
+                               generator=generator).token_ids
         lookup.add(list(prompt), gen)
         seq = torch.tensor([list(prompt) + gen], device=target.device)
         n, start = seq.shape[1], len(prompt) + 1  # predicted tokens: the target's, after its first
@@ -442,14 +475,22 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
             cols = torch.arange(max(0, start - 2 - d), n - 2 - d, device=seq.device)  # column t predicts t+2+d
             if cols.numel() == 0:
                 continue
-            best = drafter.to_target_ids(drafter.logits(h[0, cols]).topk(top_k, dim=-1).indices)
+            logits = drafter.logits(h[0, cols])
+            best = drafter.to_target_ids(logits.topk(top_k, dim=-1).indices)
             match = best == seq[0, cols + 2 + d][:, None]
             hits[d] += match.float().sum(0).cpu()
             counts[d] += cols.numel()
-    # Rates conditional on the previous depths accepted: teacher forcing feeds the true tokens.
+            if not sampling.greedy:  # token t+2+d is drawn from the target's logits at t+1+d
+                p = logits_to_probs(out.logits[0, cols + 1 + d].float(), sampling)[:, draft_ids]
+                q = logits_to_probs(logits.float(), sampling)
+                chain[d] += torch.minimum(p, q).sum().cpu()
+    # Rates conditional on the previous depths accepted: teacher forcing feeds the target's tokens.
     ranks = tuple(tuple((hits[d] / counts[d]).tolist()) if counts[d] else () for d in range(depth))
+    rates = () if sampling.greedy else tuple(float(chain[d] / counts[d]) if counts[d] else 0.0 for d in range(depth))
     by_min = {m: lookup.result(m) for m in HYBRID_MIN_NGRAMS if m > 1}
-    return Acceptance(ranks, f"calibration on {len(prompts)} prompts", *lookup.result(), by_min)
+    at = f" at T={temperature:g}" if temperature > 0 else ""
+    return Acceptance(ranks, f"calibration on {len(prompts)} prompts{at}", *lookup.result(), by_min, rates,
+                      temperature)
 
 
 @dataclass

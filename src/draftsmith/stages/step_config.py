@@ -126,9 +126,12 @@ def faster_dtype(options: dict[torch.dtype, tuple[Choice, VerifyCost]]) -> torch
 
 def choose_for_drafting(path: str, make_drafter: Callable[[Target], object], drafter_dir: str | None,
                         device: str = "cpu", dtype: str | None = None, aux_layers=None,
-                        max_new_tokens: int | None = None, log: Callable[[str], None] | None = None
-                        ) -> tuple[Target, object, Choice, str]:
+                        max_new_tokens: int | None = None, log: Callable[[str], None] | None = None,
+                        temperature: float = 0.0) -> tuple[Target, object, Choice, str]:
     """(target, drafter, the shape that pays, a note on the dtype): ``--shape auto`` from end to end.
+
+    Acceptance is calibrated at the run's ``temperature``: sampling changes which shapes pay (a sampled chain
+    draft is accepted with min(1, p/q), a tree's top tokens with the target's probability for them).
 
     With no ``dtype`` on a CPU, float32 and bfloat16 each get their best shape and the one expected to decode
     faster is kept. The 1-token step alone can pick wrong: where bf16 is emulated (AVX2 only) it wins the
@@ -138,7 +141,8 @@ def choose_for_drafting(path: str, make_drafter: Callable[[Target], object], dra
     from draftsmith.model.target import load_target
 
     log = log or _stderr
-    calibrate = {"max_new_tokens": calibration_tokens(max_new_tokens)}
+    calibrate = {"max_new_tokens": calibration_tokens(max_new_tokens),
+                 **({"temperature": float(temperature)} if temperature > 0 else {})}
     target, note = load_target_for(path, device, dtype, aux_layers, auto=True)
     drafter = make_drafter(target)
     choice, cost, acc = auto_shape(target, drafter, drafter_dir, calibrate=calibrate)
