@@ -136,7 +136,7 @@ def test_the_time_budget_leaves_training_what_the_other_stages_do_not_use():
 
 def _rates(step_s: float, per_token_s: float, tok_s: float, records: list[int]):
     from draftsmith.app.demo_budget import Rates
-    from draftsmith.stages.shapes import VerifyCost
+    from draftsmith.stages.verify_cost import VerifyCost
 
     verify = {n: step_s + (n - 1) * per_token_s for n in (1, 4, 11)}
     return Rates(VerifyCost(step_s, verify), tok_s, records)

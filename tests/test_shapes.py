@@ -24,11 +24,11 @@ from draftsmith.stages.decode import (
 from draftsmith.stages.shapes import (
     DEFAULT_CANDIDATES,
     Acceptance,
-    VerifyCost,
     choose_shape,
     expected_speedup,
     expected_tau,
 )
+from draftsmith.stages.verify_cost import VerifyCost
 from draftsmith.testing.models import save_tiny_target
 
 ACC = Acceptance(((0.75, 0.12, 0.05, 0.03, 0.01, 0.01, 0.01, 0.01), (0.65, 0.15, 0.06, 0.03, 0.02),

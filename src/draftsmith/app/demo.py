@@ -28,7 +28,7 @@ from draftsmith.app.demo_budget import (
     verified_per_method,
 )
 from draftsmith.core.errors import UsageError
-from draftsmith.stages.shapes import VerifyCost
+from draftsmith.stages.verify_cost import VerifyCost
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ def demo_plan(p: Preset, work: Path, target, cap_target, cap_pass_s: float | Non
 def bench_probe(methods: list[int], target) -> tuple[VerifyCost, float]:
     """The bench's rates on this machine: a short verify curve at the sizes its methods verify, and plain
     decoding's seconds a token."""
-    from draftsmith.stages.shapes import measure_verify_cost
+    from draftsmith.stages.verify_cost import measure_verify_cost
 
     return (measure_verify_cost(target, None, ks=tuple(sorted({1, 4, *methods})), reps=5),
             plain_decode_s_per_token(target))

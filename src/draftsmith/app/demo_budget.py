@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from draftsmith.stages.shapes import VerifyCost, curve_ks
+from draftsmith.stages.shapes import curve_ks
+from draftsmith.stages.verify_cost import VerifyCost
 
 #: The most of the budget capture and the bench may each take before they are cut down.
 CAPTURE_SHARE, BENCH_SHARE = 0.3, 0.3

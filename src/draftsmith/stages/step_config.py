@@ -23,14 +23,13 @@ from draftsmith.model.packing import dtype_packable
 from draftsmith.model.target import Target, packing_wanted
 from draftsmith.stages.shapes import (
     Choice,
-    VerifyCost,
     auto_shape,
     calibration_tokens,
     describe,
     shape_name,
-    step_time,
     target_key,
 )
+from draftsmith.stages.verify_cost import VerifyCost, step_time
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
