@@ -94,9 +94,9 @@ PRESETS = {
     # about half the tokens/s; 20 prompts a set keep the bench (every method decodes every prompt) under an hour.
     # Its store is not used up at 1,500 steps (README, "The full preset"), so under the budget training takes the
     # minutes the other stages leave, up to the ceiling, like the default preset's. TTT unrolls two steps, not
-    # five: the shapes that pay on CPUs draft two deep, and at 2.4x the steps a minute a TTT-2 drafter matched
-    # the TTT-5 one at chain 5 and beat it at every tree in 56% of the time (README, "Training data and recipe
-    # levers"). The bench still measures chain 5 and tree 4,6,16 against prompt lookup.
+    # five: the shapes that pay on CPUs draft two deep, and at 2.4x the steps a minute a TTT-2 drafter, in 56% of
+    # the time, matched the TTT-5 one at chain 5 and beat it at every tree on MT-bench, HumanEval about level
+    # (README, "Training data and recipe levers"). The bench still measures chain 5 and tree 4,6,16.
     "full": Preset("smollm2", 1000, 256, 64, 32, 8192, 1500, 2, 2048, 1e-3, ("mt-bench", "humaneval"), 20, 256, 5,
                    (4, 6, 16), data="sharegpt", max_turns=None, max_length=1024, minutes=180, step_ceiling=8000,
                    eval_every=300, warmup_steps=75),
