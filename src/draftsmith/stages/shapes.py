@@ -320,8 +320,8 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
             hits[d] += match.float().sum(0).cpu()
             counts[d] += cols.numel()
             if not sampling.greedy:  # token t+2+d is drawn from the target's logits at t+1+d
-                p = logits_to_probs(out.logits[0, cols + 1 + d].float(), sampling)[:, draft_ids]
-                q = logits_to_probs(logits.float(), sampling)
+                p = logits_to_probs(out.logits[0, cols + 1 + d], sampling)[:, draft_ids]
+                q = logits_to_probs(logits, sampling)
                 chain[d] += torch.minimum(p, q).sum().cpu()
     # Rates conditional on the previous depths accepted: teacher forcing feeds the target's tokens.
     ranks = tuple(tuple((hits[d] / counts[d]).tolist()) if counts[d] else () for d in range(depth))
