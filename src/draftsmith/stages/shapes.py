@@ -30,9 +30,7 @@ from draftsmith.stages.decode import (
     logits_to_probs,
     ngram_match,
 )
-from draftsmith.stages.verify_cost import DEFAULT_KS, VerifyCost, measure_verify_cost
-
-Shape = ChainSpec | TreeSpec | HybridSpec
+from draftsmith.stages.verify_cost import DEFAULT_KS, Shape, VerifyCost, measure_verify_cost
 
 #: EAGLE-2 trees from narrow and shallow to EAGLE-2's own 6,10,60.
 TREES: tuple[TreeSpec, ...] = tuple(TreeSpec(d, k, t) for d, k, t in (

@@ -21,6 +21,8 @@ from draftsmith.stages.decode import ChainSpec, HybridSpec, TreeSpec
 #: the candidates sit: packed GEMMs change kernels between sizes, so the curve is not smooth there.
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
+Shape = ChainSpec | TreeSpec | HybridSpec
+
 
 # --- the cost model ----------------------------------------------------------------------------------------
 def _interp(points: dict[int, float], n: float) -> float:
@@ -53,7 +55,7 @@ class VerifyCost:
     def t_verify(self, n: int, tree: bool = False) -> float:
         return _interp(self.tree_verify if tree and self.tree_verify else self.verify, n)
 
-    def t_draft(self, shape: ChainSpec | TreeSpec | HybridSpec) -> float:
+    def t_draft(self, shape: Shape) -> float:
         """A chain: k one-token steps. A tree: one step for the root, then depth-1 levels of top_k nodes.
         A hybrid drafts its tree; the lookup costs no model pass."""
         if not self.draft:
