@@ -9,7 +9,7 @@ VLLM_BASE_STAMP := $(VLLM_VENV)/.draftsmith-installed
 VLLM_STAMP := $(VLLM_VENV)/.speculators-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow lint bench clean-venv vllm-env
+.PHONY: demo test test-slow lint bench clean-venv vllm-env docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,11 @@ test-slow: $(STAMP) $(VLLM_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
+
+# The CLI reference from the parser, and the benchmarks page from docs/results/*.json (tests/test_docs.py checks both).
+docs: $(STAMP)
+	$(PY) -m draftsmith.app.cli_reference > docs/cli.md.tmp && mv docs/cli.md.tmp docs/cli.md
+	$(PY) bench/render_benchmarks.py
 
 clean-venv:
 	rm -rf $(VENV)
