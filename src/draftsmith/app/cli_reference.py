@@ -45,7 +45,7 @@ def _flag(action: argparse.Action) -> str:
         value = action.dest.upper()
     if action.nargs == "?":
         value = f"[{value}]"
-    return ", ".join(f"{o} {value}" for o in action.option_strings)
+    return f"{', '.join(action.option_strings)} {value}"
 
 
 def _help(p: argparse.ArgumentParser, action: argparse.Action) -> str:
