@@ -192,6 +192,19 @@ def test_cached_target_without_index_or_weights(tmp_path, offline, monkeypatch, 
     assert report.exit_code == (1 if want == "target.weights" else 0)
 
 
+def test_listing_cached_by_huggingface_hub_is_read(tmp_path, offline):
+    """huggingface_hub's own tree cache (written on download) lists a pickle-only repo; a listed metadata file
+    missing from the snapshot (an incomplete snapshot to huggingface_hub) does not stop the check."""
+    tree_cache = pytest.importorskip("huggingface_hub._tree_cache")
+    snap = cache_repo(offline, "org/pickled", TARGET_SHA, target_files(tmp_path, index=False))
+    listing = ["config.json", "pytorch_model.bin", "special_tokens_map.json", *(p.name for p in snap.iterdir())]
+    tree_cache.write_tree_cache(str(snap.parents[1]), TARGET_SHA, {
+        name: tree_cache.TreeCacheEntry(size=1, blob_id="0" * 40) for name in listing})
+    report = diagnose("org/pickled", engine_version="0.32")
+    assert report.ids("warning") == ["target.pickle-weights"], report.summary()
+    assert "in the repository" in report.summary() and report.exit_code == 0
+
+
 # --- the online route, with huggingface_hub's calls replaced -----------------------------------------------------
 def test_online_fetches_metadata_only_and_reads_headers(tmp_path, monkeypatch, offline):
     import huggingface_hub

@@ -115,17 +115,15 @@ def resolve_hub(arg: str | Path, env: dict[str, str] | None = None) -> HubModel 
 def _from_cache(ref: HubRef, cache: Path) -> HubModel | None:
     """The cached snapshot for ``ref`` (no network); None when the cache has no snapshot with a config.json."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
     if not cache.is_dir():
         return None
     try:
         folder = Path(snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache, local_files_only=True,
                                         allow_patterns=list(METADATA_PATTERNS)))
-    except IncompleteSnapshotError as e:  # some metadata file not downloaded: check what is there
-        folder = Path(e.snapshot_path) if getattr(e, "snapshot_path", None) else None
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        return None
+    except (OSError, ValueError) as e:  # LocalEntryNotFoundError is a FileNotFoundError; its subclass
+        snap = getattr(e, "snapshot_path", None)  # IncompleteSnapshotError (huggingface_hub >= 2) names the folder:
+        folder = Path(snap) if snap else None  # some metadata file was not downloaded, check what is there
     if folder is None or not (folder / "config.json").is_file():
         return None
     return HubModel(ref, folder, folder.name, "cache", _cached_listing(ref, folder.name, cache), None)
@@ -187,7 +185,10 @@ def _remote_headers(repo_id: str, commit: str, folder: Path) -> dict[str, dict[s
             for name, fm in meta.files_metadata.items()}
 
 
-def _short(e: Exception) -> str:
+def _short(e: BaseException) -> str:
+    """The root cause in one short line (huggingface_hub wraps a ConnectError in a paragraph)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
     return f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
 
 
