@@ -282,6 +282,16 @@ def test_local_target_missing_some_shards_is_an_error(tmp_path):
     assert report.notes == []
 
 
+@pytest.mark.parametrize("bad", [["../outside.safetensors"], [5], "not a map"])
+def test_index_naming_files_outside_the_folder_or_not_names_is_an_error(tmp_path, bad):
+    d = local_target(tmp_path, index=True)
+    (tmp_path / "outside.safetensors").write_bytes(b"\0" * 8)
+    weight_map = {"lm_head.weight": bad[0]} if isinstance(bad, list) else bad
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    report = diagnose(d, engine_version="0.32")
+    assert report.ids("error") == ["target.weights"] and report.notes == [], report.summary()
+
+
 @pytest.mark.parametrize("engine, severity", [("vllm", "warning"), ("sglang", "warning"), ("draftsmith", "error")])
 def test_pickle_only_target_severity_follows_the_engine(tmp_path, engine, severity):
     d = local_target(tmp_path, index=False)

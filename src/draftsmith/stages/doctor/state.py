@@ -107,44 +107,37 @@ def load_target(out: Findings, path: Path) -> TargetFiles | None:
     text_raw = nested if nested is not None else raw
     archs = raw.get("architectures") or []
     present = tuple(n for n in TOKENIZER_FILES if (path / n).is_file())
-    tok_cfg = (_read_json(path / "tokenizer_config.json") or {}) if present else {}
-    n_tok, source = _tokenizer_size(path, tok_cfg) if present else (None, "")
+    tok_json, tok_cfg, errors = None, {}, []
+    if present:  # each file parsed once: a real tokenizer.json is megabytes
+        tok_json, err = _parse_json(path / "tokenizer.json")
+        errors += [f"tokenizer.json: {err}"] if err else []
+        tok_cfg, err = _parse_json(path / "tokenizer_config.json")
+        errors += [f"tokenizer_config.json: {err}"] if err else []
+    n_tok, source = _tokenizer_size(tok_json, tok_cfg or {}) if present else (None, "")
     t = TargetFiles(path=path, raw=raw, text_raw=text_raw, hf=HFSource.installed(), arch=archs[0] if archs else None,
                     num_layers=text_raw.get("num_hidden_layers"), hidden_size=text_raw.get("hidden_size"),
-                    vocab_size=text_raw.get("vocab_size"), tokenizer_files=present, tokenizer_config=tok_cfg,
-                    tokenizer_size=n_tok, tokenizer_source=source,
-                    tokenizer_errors=_json_errors(path, ("tokenizer.json", "tokenizer_config.json")))
+                    vocab_size=text_raw.get("vocab_size"), tokenizer_files=present,
+                    tokenizer_config=tok_cfg or {}, tokenizer_size=n_tok, tokenizer_source=source,
+                    tokenizer_errors=tuple(errors))
     out.facts.update(architecture=t.arch, num_layers=t.num_layers, hidden_size=t.hidden_size,
                      vocab_size=t.vocab_size, model_type=raw.get("model_type"),
                      text_model_type=text_raw.get("model_type"))
     return t
 
 
-def _read_json(path: Path) -> dict | None:
+def _parse_json(path: Path) -> tuple[dict | None, str | None]:
+    """(the JSON object, None); (None, None) when the file is absent; (None, why) when it is cut or not an object."""
+    if not path.is_file():
+        return None, None
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, json.JSONDecodeError):
-        return None
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        return None, str(e)
+    return (value, None) if isinstance(value, dict) else (None, "not a JSON object")
 
 
-def _json_errors(directory: Path, names: tuple[str, ...]) -> tuple[str, ...]:
-    """``name: error`` for each of ``names`` present that does not parse as a JSON object."""
-    errors = []
-    for name in names:
-        p = directory / name
-        if not p.is_file():
-            continue
-        try:
-            if not isinstance(json.loads(p.read_bytes()), dict):
-                errors.append(f"{name}: not a JSON object")
-        except (OSError, ValueError) as e:
-            errors.append(f"{name}: {e}")
-    return tuple(errors)
-
-
-def _tokenizer_size(directory: Path, tok_cfg: dict) -> tuple[int | None, str]:
+def _tokenizer_size(tj: dict | None, tok_cfg: dict) -> tuple[int | None, str]:
     """Largest token id + 1, from tokenizer.json (vocab and added tokens) or tokenizer_config's added tokens."""
-    tj = _read_json(directory / "tokenizer.json")
     ids: list[int] = []
     source = "tokenizer.json"
     if tj is not None:

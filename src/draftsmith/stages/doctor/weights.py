@@ -14,6 +14,7 @@ The rule (issues 40 and 44):
 from __future__ import annotations
 
 import json
+import os
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -35,6 +36,12 @@ def check_weight_files(out: Findings, which: str, path: Path, engine: str, hub: 
             out.add(f"{which}.weights", "error", f"the {which}'s {INDEX} cannot be read: {e}", str(index),
                     "copy the index again from the model's release")
             return
+        outside = [s for s in shards if not isinstance(s, str) or not _inside(path, s)]
+        if outside:
+            out.add(f"{which}.weights", "error", f"the {which}'s {INDEX} names shard files outside its folder: "
+                    f"{', '.join(map(repr, outside[:3]))}; engines load shards from the folder only",
+                    f"{index}: weight_map", "copy the index again from the model's release")
+            return
         _check_shards(out, which, path, shards, hub)
         return
     files = sorted(p.name for p in path.glob("*.safetensors"))
@@ -52,6 +59,12 @@ def check_weight_files(out: Findings, which: str, path: Path, engine: str, hub: 
                 "doctor checks everything but the weights)", f"{path}: config.json without weights or index",
                 "copy the weights, or download the metadata with the index (hf download ORG/NAME --include "
                 '"*.json" "tokenizer*"), or pass the hub id ORG/NAME instead of the folder')
+
+
+def _inside(folder: Path, name: str) -> bool:
+    """``name`` stays in ``folder`` (lexically: a hub snapshot's files are symlinks into the cache's blobs)."""
+    base = os.path.normpath(folder)
+    return os.path.normpath(os.path.join(base, name)).startswith(base + os.sep)
 
 
 def _check_shards(out: Findings, which: str, path: Path, shards: list[str], hub: HubModel | None) -> None:
