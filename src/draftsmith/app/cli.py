@@ -297,8 +297,9 @@ def _add_doctor_parsers(sub) -> None:
         description="Reads config, tokenizer and safetensors headers only (never weights) and reports every "
                     "mismatch that would fail at load or accept ~nothing. Exit 0: nothing blocks; 1: an error "
                     "finding; 2: unusable arguments.")
-    p.add_argument("--target", required=True, help="target model directory")
-    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (any layout draftsmith reads)")
+    p.add_argument("--target", required=True, help="target model directory, or a hub id ORG/NAME[@REVISION] read from "
+                   "the Hugging Face cache (online: its metadata and safetensors headers; never weights)")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (any layout draftsmith reads) or hub id")
     p.add_argument("--engine", choices=ENGINES, default="vllm", help="engine to check against (default vllm)")
     p.add_argument("--engine-version", default=None, metavar="X.Y",
                    help="vLLM version to check against (default: the one installed here, else the latest facts)")
@@ -311,8 +312,9 @@ def _add_doctor_parsers(sub) -> None:
         description="Runs doctor for vLLM first and refuses on blocking findings (unless --force), then runs "
                     "`vllm serve TARGET --speculative-config {...}` and prints the exact command. Arguments after "
                     "`--` go to vllm serve unchanged.")
-    p.add_argument("--target", required=True, help="target model directory (or a name vLLM resolves)")
-    p.add_argument("--drafter", required=True, help="EAGLE-3 drafter directory (vLLM-loadable layout)")
+    p.add_argument("--target", required=True, help="target model directory or hub id ORG/NAME[@REVISION] (doctor reads "
+                   "the cache or the hub's metadata; vllm serve gets the id)")
+    p.add_argument("--drafter", required=True, help="EAGLE-3 drafter directory or hub id (vLLM-loadable layout)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K", help="draft tokens (default 3)")
     p.add_argument("--port", type=int, default=None, help="vllm serve --port")
     p.add_argument("--engine-version", default=None, metavar="X.Y", help="vLLM version for doctor's facts")

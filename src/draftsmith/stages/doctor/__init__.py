@@ -10,9 +10,15 @@ trouble; ``info``), the evidence (file and field) and the fix. Engine facts come
 there is one (vLLM's source, read with ``ast``), else from the per-version table in
 ``draftsmith.core.vllm_facts``.
 
-Modules: ``diagnosis`` (``diagnose``: setup, then the checks in order), ``state`` (what the engine, target and
-drafter directories hold, read once), ``target_checks``, ``engine_checks``, ``drafter_checks``, ``aux_checks``,
-``report`` (findings and the report) and ``hfsource`` (transformers' source read with ``ast``).
+``--target``/``--drafter`` also take a hub id (``ORG/NAME[@REVISION]``): read from the Hugging Face cache, or
+online from the hub's metadata files and safetensors headers, never its weights. What was not checked (the
+weights of a metadata-only download) is a note in the report, not a finding.
+
+Modules: ``diagnosis`` (``diagnose``: setup, then the checks in order), ``hub`` (hub ids to a local snapshot),
+``state`` (what the engine, target and drafter directories hold, read once), ``weights`` (the target's weight
+files: whole, truncated, metadata-only, pickle-only or absent), ``target_checks``, ``engine_checks``,
+``drafter_checks``, ``aux_checks``, ``report`` (findings and the report) and ``hfsource`` (transformers' source
+read with ``ast``).
 """
 
 from draftsmith.core.tensorfile import read_safetensors_header, read_small_tensor

@@ -1,4 +1,5 @@
-"""``diagnose``: resolve the directories, set up what the checks read, then run the checks in order."""
+"""``diagnose``: resolve the directories (a local path, else a hub id through ``hub``), set up what the checks read,
+then run the checks in order."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from draftsmith.core.pysource import VllmSource
 from draftsmith.stages.doctor.aux_checks import check_aux_layers
 from draftsmith.stages.doctor.drafter_checks import check_drafter_config, check_vocab_mapping, check_weights
 from draftsmith.stages.doctor.engine_checks import check_vllm_target
+from draftsmith.stages.doctor.hub import HubModel, download_hint, resolve_hub
 from draftsmith.stages.doctor.report import ENGINES, DoctorReport, DoctorUsageError, Findings
 from draftsmith.stages.doctor.state import EngineFacts, load_drafter, load_target, setup_engine
-from draftsmith.stages.doctor.target_checks import check_target, check_tokenizer, check_weight_files
+from draftsmith.stages.doctor.target_checks import check_target, check_tokenizer
+from draftsmith.stages.doctor.weights import check_weight_files
 
 
 def diagnose(target: str | Path, drafter: str | Path | None = None, *, engine: str = "vllm",
@@ -23,6 +26,8 @@ def diagnose(target: str | Path, drafter: str | Path | None = None, *, engine: s
     ``engine_version``: check against this vLLM version's facts instead of the installed vLLM (or when none is
     installed). ``vllm_import``: ask the real class through vLLM's registry (exact, but importing vLLM takes
     5-15 s) instead of reading its source. ``vllm_source``: a vLLM source tree to read (tests).
+    ``target``/``drafter``: a local directory, or a hub id ``ORG/NAME[@REVISION]`` read from the Hugging Face cache
+    or, online, from the hub's metadata files and safetensors headers (never weights; see ``hub``).
     """
     t0 = time.perf_counter()
     if engine not in ENGINES:
@@ -32,28 +37,32 @@ def diagnose(target: str | Path, drafter: str | Path | None = None, *, engine: s
             vllm_facts.parse_version(engine_version)
         except ValueError as e:
             raise DoctorUsageError(str(e)) from e
-    target_dir = _target_dir(target)
-    drafter_dir = _drafter_dir(drafter) if drafter is not None else None
-    report = DoctorReport(target=str(target_dir), drafter=str(drafter_dir) if drafter_dir else None, engine=engine,
-                          engine_version=None, engine_profile=None, engine_source="n/a")
+    target_hub = resolve_hub(target)
+    target_dir = _hub_dir(target_hub, "target") if target_hub else _target_dir(target)
+    drafter_hub = resolve_hub(drafter) if drafter is not None else None
+    drafter_dir = _hub_dir(drafter_hub, "drafter") if drafter_hub else _drafter_dir(drafter) if drafter else None
+    report = DoctorReport(target=target_hub.label if target_hub else str(target_dir),
+                          drafter=drafter_hub.label if drafter_hub else str(drafter_dir) if drafter_dir else None,
+                          engine=engine, engine_version=None, engine_profile=None, engine_source="n/a")
     out = Findings(report)
     facts = setup_engine(out, engine, engine_version, vllm_source, vllm_import)
-    _run_checks(out, facts, target_dir, drafter_dir)
+    _run_checks(out, facts, target_dir, drafter_dir, target_hub, drafter_hub)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_dir: Path | None) -> None:
+def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_dir: Path | None,
+                target_hub: HubModel | None = None, drafter_hub: HubModel | None = None) -> None:
     """Target side first, then the drafter against it; a config that cannot be read stops what depends on it."""
     t = load_target(out, target_dir)
     if t is None:
         return
     check_target(out, engine, t)
-    check_weight_files(out, "target", target_dir)
+    check_weight_files(out, "target", target_dir, engine.name, target_hub)
     check_tokenizer(out, t)
     if engine.name == "vllm":
         check_vllm_target(out, engine, t)
-    d = load_drafter(out, drafter_dir) if drafter_dir is not None else None
+    d = load_drafter(out, drafter_dir, drafter_hub) if drafter_dir is not None else None
     if d is None:
         return
     check_drafter_config(out, engine, t, d)
@@ -75,6 +84,13 @@ def _target_dir(target: str | Path) -> Path:
         raise DoctorUsageError(f"{target}: {kind}; doctor reads a model directory with config.json, tokenizer "
                                "files and safetensors")
     return p
+
+
+def _hub_dir(hub: HubModel, which: str) -> Path:
+    """The snapshot folder of a resolved hub id (resolution guarantees its config.json)."""
+    if not (hub.path / "config.json").is_file():
+        raise DoctorUsageError(f"{hub.ref}: the {which}'s snapshot has no config.json; run `{download_hint(hub.ref)}`")
+    return hub.path
 
 
 def _drafter_dir(drafter: str | Path) -> Path:

@@ -182,7 +182,7 @@ def check_vocab_mapping(out: Findings, engine: EngineFacts, t: TargetFiles, d: D
 
     from draftsmith.core import vocab as vocab_mod
 
-    if d.weights is None or not isinstance(d.draft_vocab, int):
+    if d.weights is None or d.remote or not isinstance(d.draft_vocab, int):
         return
     tv = t.vocab_size if isinstance(t.vocab_size, int) else d.vocab
     d2t = t2d = None

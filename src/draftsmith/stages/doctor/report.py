@@ -36,6 +36,7 @@ class DoctorReport:
     engine_source: str  # installed | stated | assumed | n/a
     findings: list[Finding] = field(default_factory=list)
     facts: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what was not checked, and why (no finding: nothing is wrong)
     seconds: float = 0.0
 
     @property
@@ -73,6 +74,7 @@ class DoctorReport:
             lines.append(f"        evidence: {x.evidence}")
             if x.fix:
                 lines.append(f"        fix: {x.fix}")
+        lines += [f"NOTE    {note}" for note in self.notes]
         n = {s: sum(x.severity == s for x in self.findings) for s in SEVERITIES}
         verdict = "would fail at load or accept ~nothing" if self.blocking else "nothing blocks"
         lines.append(f"{n['error']} error(s), {n['warning']} warning(s), {n['info']} info; {verdict} "
@@ -96,6 +98,10 @@ class Findings:
             severity = "warning"
             message += " (engine version not tabulated: may not apply)"
         self.report.findings.append(Finding(id, severity, message, evidence, fix))
+
+    def note(self, text: str) -> None:
+        """Something doctor did not check (e.g. weights absent from a metadata-only download): said, not an error."""
+        self.report.notes.append(text)
 
     @property
     def facts(self) -> dict:

@@ -16,6 +16,7 @@ from draftsmith.core.conventions import canonical_weight_name
 from draftsmith.core.pysource import VllmSource
 from draftsmith.core.tensorfile import TensorInfo, read_checkpoint_headers
 from draftsmith.stages.doctor.hfsource import HFSource
+from draftsmith.stages.doctor.hub import HubModel
 from draftsmith.stages.doctor.report import Findings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
@@ -84,6 +85,7 @@ class TargetFiles:
     tokenizer_config: dict
     tokenizer_size: int | None  # largest token id + 1; None without tokenizer files or ids
     tokenizer_source: str
+    tokenizer_errors: tuple[str, ...] = ()  # tokenizer JSON files present but unreadable (a cut copy)
 
     @property
     def nested(self) -> str:
@@ -105,28 +107,37 @@ def load_target(out: Findings, path: Path) -> TargetFiles | None:
     text_raw = nested if nested is not None else raw
     archs = raw.get("architectures") or []
     present = tuple(n for n in TOKENIZER_FILES if (path / n).is_file())
-    tok_cfg = (_read_json(path / "tokenizer_config.json") or {}) if present else {}
-    n_tok, source = _tokenizer_size(path, tok_cfg) if present else (None, "")
+    tok_json, tok_cfg, errors = None, {}, []
+    if present:  # each file parsed once: a real tokenizer.json is megabytes
+        tok_json, err = _parse_json(path / "tokenizer.json")
+        errors += [f"tokenizer.json: {err}"] if err else []
+        tok_cfg, err = _parse_json(path / "tokenizer_config.json")
+        errors += [f"tokenizer_config.json: {err}"] if err else []
+    n_tok, source = _tokenizer_size(tok_json, tok_cfg or {}) if present else (None, "")
     t = TargetFiles(path=path, raw=raw, text_raw=text_raw, hf=HFSource.installed(), arch=archs[0] if archs else None,
                     num_layers=text_raw.get("num_hidden_layers"), hidden_size=text_raw.get("hidden_size"),
-                    vocab_size=text_raw.get("vocab_size"), tokenizer_files=present, tokenizer_config=tok_cfg,
-                    tokenizer_size=n_tok, tokenizer_source=source)
+                    vocab_size=text_raw.get("vocab_size"), tokenizer_files=present,
+                    tokenizer_config=tok_cfg or {}, tokenizer_size=n_tok, tokenizer_source=source,
+                    tokenizer_errors=tuple(errors))
     out.facts.update(architecture=t.arch, num_layers=t.num_layers, hidden_size=t.hidden_size,
                      vocab_size=t.vocab_size, model_type=raw.get("model_type"),
                      text_model_type=text_raw.get("model_type"))
     return t
 
 
-def _read_json(path: Path) -> dict | None:
+def _parse_json(path: Path) -> tuple[dict | None, str | None]:
+    """(the JSON object, None); (None, None) when the file is absent; (None, why) when it is cut or not an object."""
+    if not path.is_file():
+        return None, None
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, json.JSONDecodeError):
-        return None
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        return None, str(e)
+    return (value, None) if isinstance(value, dict) else (None, "not a JSON object")
 
 
-def _tokenizer_size(directory: Path, tok_cfg: dict) -> tuple[int | None, str]:
+def _tokenizer_size(tj: dict | None, tok_cfg: dict) -> tuple[int | None, str]:
     """Largest token id + 1, from tokenizer.json (vocab and added tokens) or tokenizer_config's added tokens."""
-    tj = _read_json(directory / "tokenizer.json")
     ids: list[int] = []
     source = "tokenizer.json"
     if tj is not None:
@@ -160,14 +171,19 @@ class DrafterFiles:
     vocab: object  # vocab_size as stated
     draft_vocab: object  # draft_vocab_size, else vocab_size
     target_hidden: object  # target_hidden_size, else hidden_size
+    remote: bool = False  # weights known from the hub's headers only: no tensor data here (d2t/t2d unread)
 
     @property
     def architecture(self) -> str | None:
         return (self.raw.get("architectures") or [None])[0]
 
 
-def load_drafter(out: Findings, path: Path) -> DrafterFiles | None:
-    """Read the drafter directory; None (and a finding) when its config.json cannot be read."""
+def load_drafter(out: Findings, path: Path, hub: HubModel | None = None) -> DrafterFiles | None:
+    """Read the drafter directory; None (and a finding) when its config.json cannot be read.
+
+    ``hub``: the directory is that hub snapshot; weights absent from it are read from the hub's headers when those
+    were fetched, else noted as not checked (a metadata-only download), not reported as unreadable.
+    """
     from draftsmith.stages.export import detect_format
 
     try:
@@ -188,8 +204,23 @@ def load_drafter(out: Findings, path: Path) -> DrafterFiles | None:
                 cfg[k] = raw[k]
     else:
         cfg = raw
+    remote = False
     try:
         weights, weights_file = read_checkpoint_headers(path)
+    except FileNotFoundError as e:
+        weights, weights_file = None, "model.safetensors"
+        if hub is not None and hub.remote_headers:
+            weights = {k: v for h in hub.remote_headers.values() for k, v in h.items()}
+            weights_file, remote = f"{', '.join(sorted(hub.remote_headers)[:2])} (header read from the hub)", True
+            out.note("drafter weights not downloaded: tensor names and shapes come from the hub's safetensors "
+                     "headers; the d2t/t2d values were not read")
+        elif hub is not None:
+            out.note("drafter weights not checked: the snapshot holds no weights (a metadata-only download); "
+                     "tensor names, shapes, fc's aux count and d2t/t2d were not checked (download the drafter's "
+                     "model.safetensors, or rerun without HF_HUB_OFFLINE to read its headers from the hub)")
+        else:
+            out.add("drafter.weights", "error", f"the drafter's weights cannot be read: {e}", str(path),
+                    "re-export the drafter (draftsmith export) into an empty directory")
     except (OSError, ValueError, KeyError) as e:
         weights, weights_file = None, "model.safetensors"
         out.add("drafter.weights", "error", f"the drafter's weights cannot be read: {e}", str(path),
@@ -198,7 +229,7 @@ def load_drafter(out: Findings, path: Path) -> DrafterFiles | None:
     d = DrafterFiles(path=path, raw=raw, format=fmt, cfg=cfg, weights=weights, weights_file=weights_file,
                      names={} if weights is None else _canonical(weights), hidden=hidden, vocab=vocab,
                      draft_vocab=cfg.get("draft_vocab_size") or vocab,
-                     target_hidden=cfg.get("target_hidden_size") or hidden)
+                     target_hidden=cfg.get("target_hidden_size") or hidden, remote=remote)
     out.facts.update(drafter_format=d.format, draft_vocab_size=d.draft_vocab, drafter_architecture=d.architecture)
     return d
 

@@ -5,17 +5,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from draftsmith.core.tensorfile import damaged_files
 from draftsmith.stages.doctor.report import Findings
 from draftsmith.stages.doctor.state import TOKENIZER_FILES, EngineFacts, TargetFiles
-
-
-def check_weight_files(out: Findings, which: str, path: Path) -> None:
-    """A truncated or corrupt weights file loads for 25 minutes, then fails: say so from its header and size."""
-    bad = damaged_files(path)
-    if bad:
-        out.add(f"{which}.weights", "error", f"the {which}'s weights cannot be loaded: {'; '.join(bad[:3])}",
-                str(path), "copy the file again (a download or copy was cut short)")
 
 
 def check_target(out: Findings, engine: EngineFacts, t: TargetFiles) -> None:
@@ -75,6 +66,11 @@ def check_tokenizer(out: Findings, t: TargetFiles) -> None:
                 f"{t.path}: none of {', '.join(TOKENIZER_FILES)}",
                 "copy the tokenizer files from the model's release into this directory")
         return
+    if t.tokenizer_errors:
+        out.add("tokenizer.unreadable", "error", f"a tokenizer file cannot be read: {'; '.join(t.tokenizer_errors)}: "
+                "engines and draftsmith fail to load the tokenizer (a download or copy was cut short)",
+                f"{t.path}: {', '.join(e.split(':')[0] for e in t.tokenizer_errors)}",
+                "copy the tokenizer files again from the model's release")
     tok_cfg = t.tokenizer_config
     template = (tok_cfg.get("chat_template") or (t.path / "chat_template.jinja").is_file()
                 or (t.path / "chat_template.json").is_file())
