@@ -245,6 +245,11 @@ def _recipe_end_to_end(tmp_path: Path, recipe: Path, target: Path, capture_extra
     assert cmd[len(cmd) - len(tail):] == tail
 
 
+def _eval_rows(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("eval")]
+
+
 @pytest.mark.slow
 def test_dense_8b_recipe_end_to_end_on_a_tiny_qwen3(tmp_path):
     from draftsmith.testing.models import save_tiny_target
@@ -253,6 +258,13 @@ def test_dense_8b_recipe_end_to_end_on_a_tiny_qwen3(tmp_path):
     target = save_tiny_target(tmp_path / "models" / "tiny-qwen3", "qwen3", "chatml")
     _recipe_end_to_end(tmp_path, recipe, target)
     s = tomllib.loads(recipe.read_text())
+    # Under torchrun each rank scores its share of the held-out set and the sums are reduced: the tokens scored
+    # are the single-process run's (each rank scoring all of it counted them, and the loss, twice).
+    _run(tmp_path, "train", "--config", str(recipe), "--target", str(target), "--device", "cpu", "--max-steps", "2",
+         "--batch-tokens", "512", "--eval-fraction", "0.25", "--eval-every", "2", "--out", "runs/single",
+         "--no-progress", "--no-plot")
+    two, one = (_eval_rows(tmp_path / out) for out in (s["train"]["out"], "runs/single"))
+    assert len(two) == 2 and len(one) == 1 and two[0]["tokens"] == one[0]["tokens"] > 0, (two, one)
     _run(tmp_path, "bench", "--config", str(recipe), "--target", str(target), "--device", "cpu",
          "--datasets", "mt-bench", "--limit", "1", "--turns", "1", "--max-new-tokens", "8", "--no-progress")
     assert json.loads((tmp_path / s["bench"]["out"] / "bench.json").read_text())
