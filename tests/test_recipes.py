@@ -22,16 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.app.cli import build_parser, main
-from draftsmith.app.recipe import apply_recipe, recipe_keys
+from draftsmith.app.cli import build_parser, main, parse_args
+from draftsmith.app.recipe import recipe_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
 
 def _parse(argv: list[str]):
-    parser = build_parser()
-    return parser.parse_args(apply_recipe(parser, argv))
+    return parse_args(argv)
 
 
 def _write(tmp_path: Path, text: str) -> str:

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """What a command line parses to, its ``--config`` recipe applied (docs checks parse commands with it)."""
+    parser = build_parser()
+    return parser.parse_args(apply_recipe(parser, argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     given = sys.argv[1:] if argv is None else argv
