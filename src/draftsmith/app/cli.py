@@ -10,6 +10,7 @@ import sys
 from draftsmith import __version__
 from draftsmith.app import stage_commands as stages
 from draftsmith.app.args import K_BOUND, TREE_BOUND, USER_ERRORS, add_target_args, fail, parse_ints
+from draftsmith.app.recipe import add_config_flags, apply_recipe
 from draftsmith.core.allocator import keep_freed_memory
 from draftsmith.core.errors import UsageError, one_line
 from draftsmith.data.chat import encode_prompt, stop_token_ids
@@ -105,11 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generate with vLLM's engine run by this Python (e.g. .venv-vllm/bin/python; `make demo` "
                         "passes it); default: the in-process backend, several times slower")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_config_flags(sub)
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """What a command line parses to, its ``--config`` recipe applied (docs checks parse commands with it)."""
+    parser = build_parser()
+    return parser.parse_args(apply_recipe(parser, argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    try:
+        argv = apply_recipe(parser, given)  # --config RECIPE: the command's section becomes its defaults
+    except USER_ERRORS as e:
+        return fail(e)
     args = parser.parse_args(argv)
     if args.command in ("doctor", "serve"):  # before the library imports below: doctor answers in under a second
         return _doctor_or_serve(args)
@@ -125,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return stages.train(args)
         if args.command == "bench":
-            return _bench(args, sys.argv[1:] if argv is None else argv)
+            return _bench(args, given)
         if args.command == "demo":
             from draftsmith.app.demo import run_demo
 

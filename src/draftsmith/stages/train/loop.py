@@ -41,9 +41,17 @@ def dist_info() -> tuple[int, int]:
 
 
 def setup_distributed(device: str) -> bool:
-    """Join torchrun's process group; True when this call created it (so the caller tears it down)."""
+    """Join torchrun's process group; True when this call created it (so the caller tears it down).
+
+    On CUDA each rank binds its own GPU (LOCAL_RANK: otherwise every rank also opens a context on GPU 0), and
+    the group pairs NCCL for CUDA tensors with gloo for the CPU tensors that evaluation and the time budget
+    reduce (NCCL alone refuses CPU tensors).
+    """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
         return True
     return False
 
@@ -97,13 +105,15 @@ class Teacher:
 def evaluate(drafter: Eagle3Drafter, source, indices: list[int], cfg: TrainConfig, teacher, device,
              autocast: bool = False) -> dict:
     drafter.eval()
-    total = TTTStats()
-    for batch_idx in make_batches(indices, source.lengths, cfg.batch_tokens, seed=0):
+    # Sized up front: a rank with no held-out batch still reduces a tensor of the same length.
+    total = TTTStats(correct=[0.0] * cfg.ttt_steps, total=[0.0] * cfg.ttt_steps)
+    rank, world = dist_info()
+    # Each rank scores its share of the held-out batches; the sums are reduced below.
+    for batch_idx in make_batches(indices, source.lengths, cfg.batch_tokens, seed=0)[rank::world]:
         batch = source.load(batch_idx).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, s = ttt_forward(drafter, batch, teacher(batch), cfg.ttt_steps, cfg.step_decay)
         total.add(s)
-    rank, world = dist_info()
     if world > 1:
         t = torch.tensor([total.loss, *total.correct, *total.total], dtype=torch.float64)
         dist.all_reduce(t)
