@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.app import cli_reference
-from draftsmith.app.cli import build_parser
+from draftsmith.app.cli import build_parser, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
@@ -113,11 +113,11 @@ def draftsmith_commands(text: str) -> list[tuple[int, list[str]]]:
 
 
 def parse_error(argv: list[str]) -> str | None:
-    """argparse's complaint about a command line, or None when it parses."""
+    """argparse's complaint about a command line (its --config recipe applied, paths from the repo root)."""
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            build_parser().parse_args(argv)
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), contextlib.chdir(ROOT):
+            parse_args(argv)
     except SystemExit as e:
         if e.code not in (0, None):
             return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {e.code}"
