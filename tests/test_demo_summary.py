@@ -166,7 +166,8 @@ def test_prompt_lookup_that_pays_alone_is_said_when_no_drafting_shape_does():
     rep["results"][0]["methods"]["prompt lookup k=10"] = row(1.60, 1.25)
     v = verdict(rep)
     assert not v["pays"]
-    assert v["says"][0].endswith("Prompt lookup alone pays, with no drafter: prompt lookup k=10 1.25x.")
+    assert v["says"][0].endswith("Prompt lookup alone pays, with no drafter: prompt lookup k=10 1.25x "
+                                 "(`draftsmith decode --prompt-lookup 10`).")
     assert "Prompt lookup alone" not in verdict(avx2_nothing_pays())["says"][0]  # 0.72x: it does not
 
 
@@ -178,3 +179,13 @@ def test_on_a_gpu_the_why_names_the_gpu_and_sends_nobody_to_a_cpu():
     assert "GPU NVIDIA H100 80GB HBM3" in v["says"][1] and "AVX2" not in v["says"][1]
     assert "acceptance is what is missing" in v["says"][1]
     assert "CPU" not in v["says"][2] and "llama.cpp" not in v["says"][2]
+
+
+def test_a_shape_that_pays_but_loses_to_prompt_lookup_says_so():
+    rep = amx_hybrid_pays()
+    rep["results"][0]["methods"]["prompt lookup k=10"] = row(2.4, 1.82)
+    v = verdict(rep)
+    assert v["pays"] and v["over_lookup"] == 1.58 / 1.82
+    assert "0.87x prompt lookup (prompt lookup k=10 1.82x, no drafter); prompt lookup alone is faster" in v["says"][0]
+    assert v["says"][0].endswith("(`draftsmith decode --prompt-lookup 10`).")
+    assert "alone is faster" not in verdict(amx_hybrid_pays())["says"][0]

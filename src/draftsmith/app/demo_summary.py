@@ -150,7 +150,7 @@ def verdict(report: dict) -> dict:
     if tau_steps:
         because.append(f"{shape_of_row(best)} accepts tau {tau_steps[0]:.2f} tokens a round that costs "
                        f"{tau_steps[1]:.2f} plain steps, so it needs tau > {tau_steps[1]:.2f} to break even")
-    free = (f" Prompt lookup alone pays, with no drafter: {lookup} {lookups[lookup]:.2f}x."
+    free = (f" Prompt lookup alone pays, with no drafter: {lookup} {lookups[lookup]:.2f}x{_lookup_decode(lookup)}."
             if lookup and lookups[lookup] > PAYS_OVER else "")
     v["says"] = [f"verdict: no drafting shape pays on this machine ({_auto_said(auto, drafted)}); measured {on}: "
                  f"{tried or 'nothing'}.{free}",
@@ -172,11 +172,19 @@ def _auto_said(auto: dict, drafted: dict[str, float]) -> str:
             + (f", measured {measured:.2f}x" if measured is not None else ""))
 
 
+def _lookup_decode(row: str) -> str:
+    """' (`draftsmith decode --prompt-lookup K`)' for a bench row 'prompt lookup k=K', '' for anything else."""
+    k = re.search(r"k=(\d+)", row)
+    return f" (`draftsmith decode --prompt-lookup {k[1]}`)" if k else ""
+
+
 def _pays_line(v: dict, auto: dict, on: str) -> str:
     expected = (f"--shape auto expected {v['expected_speedup']:.2f}x" if v["expected_speedup"] is not None
                 else _auto_said(auto, v["measured"]))
     over = (f", {v['over_lookup']:.2f}x prompt lookup ({v['lookup']} {v['lookup_speedup']:.2f}x, no drafter)"
             if v["over_lookup"] else "")
+    if v["over_lookup"] and v["over_lookup"] < 1:
+        over += "; prompt lookup alone is faster here, with no drafter" + _lookup_decode(v["lookup"])
     return (f"verdict: {v['shape']} pays on this machine: {v['measured_speedup']:.2f}x plain decoding measured "
             f"({on}; {expected}){over}.")
 
