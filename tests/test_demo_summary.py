@@ -79,7 +79,7 @@ def test_nothing_pays_leads_with_the_verdict_and_why_and_recommends_no_serving()
     assert "--shape auto chose plain decoding" in lines[0] and "chain 2 0.66x" in lines[0]
     # Why: what a 16-token verify pass costs in steps on this CPU kind (1 + 0.37 * 15 on the measured curve).
     assert lines[1].startswith("why:") and "AVX2 only" in lines[1]
-    assert "a 16-token verify pass costs 6.55x a one-token step (40.0 ms)" in lines[1]
+    assert "a 16-token verify pass costs 6.55x a one-token step of 40.0 ms" in lines[1]
     assert "verify cost is what is missing" in lines[1]
     assert "needs tau > 2.00 to break even" in lines[1]  # chain 2: tau 1.36 at bound 0.68
     assert lines[2].startswith("where it would pay instead: a GPU engine") and "AMX" in lines[2]

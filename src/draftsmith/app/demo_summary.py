@@ -133,7 +133,7 @@ def verdict(report: dict) -> dict:
     v.update(wide_pass_steps=wide, step_ms=step_s * 1e3 if step_s else None)
     on = f"on {', '.join(datasets)}" if len(datasets) < 2 else f"mean of {', '.join(datasets)}"
     where = f"on this machine ({hardware})" + (f", in {v['dtype']}," if v["dtype"] else "")
-    cost = f"a {WIDE_PASS}-token verify pass costs {wide:.2f}x a one-token step ({v['step_ms']:.1f} ms)" if wide \
+    cost = f"a {WIDE_PASS}-token verify pass costs {wide:.2f}x a one-token step of {v['step_ms']:.1f} ms" if wide \
         else None
     tau_steps = round_cost(report, row) if row else None
     if pays:
