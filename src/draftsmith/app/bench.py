@@ -188,7 +188,7 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
     for d in decoders.values():
         d.generate(tok(warm, add_special_tokens=False)["input_ids"], 4, eos_token_ids=stops)
     report = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "packed": target.packed,
-              "machine": machine_info(),
+              "device": str(target.device), "machine": machine_info(),
               "max_new_tokens": max_new_tokens, "results": [], **({"leaked_prompts": leaked} if leaked else {})}
     for dataset in datasets:
         prompts = prompt_sets[dataset]

@@ -27,6 +27,7 @@ from draftsmith.app.demo_budget import (
     train_minutes,
     verified_per_method,
 )
+from draftsmith.app.demo_summary import print_summary, verdict
 from draftsmith.core.errors import UsageError
 from draftsmith.stages.verify_cost import VerifyCost
 
@@ -277,12 +278,14 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
                   for name, m in headline.items()},
         "bench_files": {k: str(v) for k, v in paths.items()},
         "vllm_serve": serve_command(target_path, export_dir, p.chain, vllm_python),
+        "vllm_env": vllm_python is not None,
         "seconds": {**times.session, "total": time.perf_counter() - t0},
         "seconds_all_sessions": times.all_sessions(_trained_seconds(run_dir)),
         "torch_threads": torch.get_num_threads(),
     }
+    result = {"verdict": verdict(report), **result}  # what pays here (or why nothing does) leads summary.json
     (work / "summary.json").write_text(json.dumps(result, indent=2))
-    print_summary(result, (work / "bench" / "bench.txt").read_text())
+    print_summary(result, report, (work / "bench" / "bench.txt").read_text())
     return result
 
 
@@ -421,20 +424,3 @@ def serve_command(target: str, drafter_dir: Path, k: int, vllm_python: str | Non
 
     return shlex.join(serve_argv(resolve_model_path(target)[0].resolve(), drafter_dir, k, python=vllm_python))
 
-
-def print_summary(result: dict, table: str) -> None:
-    print("\n" + table)
-    print(f"drafter:  {result['drafter']}")
-    print(f"exported: {result['export']} (vLLM layout)")
-    for name, m in result["bench"].items():
-        if name.startswith(("eagle3", "hybrid")):
-            print(f"EAGLE-3 {name.removeprefix('eagle3 ')}: acceptance length {m['acceptance_length']:.2f}, "
-                  f"speedup {m['speedup']:.2f}x over plain decoding (same process)")
-    if result.get("simulated_acceptance_length"):
-        print(f"simulated acceptance length at training time: {result['simulated_acceptance_length']:.2f}")
-    print(f"serve it: {result['vllm_serve']}")
-    every = result["seconds_all_sessions"]
-    earlier = (f" ({every['total'] / 60:.1f} over the workdir's {every['sessions']} sessions)"
-               if every["sessions"] > 1 else "")
-    summary = Path(result["workdir"]) / "summary.json"
-    print(f"total {result['seconds']['total'] / 60:.1f} min{earlier}; summary: {summary}")

@@ -218,16 +218,18 @@ def draft_depth(shape: Shape) -> int:
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen shape (None: plain decoding), its expected speedup, and a one-line reason."""
+    """The chosen shape (None: plain decoding), its expected speedup, and a one-line reason; ``cost``: the verify
+    curve it was weighed on, kept so a report can say why (what a wide pass costs here) and not only what."""
 
     shape: Shape | None
     speedup: float
     reason: str
     table: dict[str, float] = field(default_factory=dict)  # every candidate's expected speedup
+    cost: VerifyCost | None = None
 
     def to_dict(self) -> dict:
         return {"shape": shape_name(self.shape), "expected_speedup": self.speedup, "reason": self.reason,
-                "candidates": self.table}
+                "candidates": self.table, **({"verify_cost": self.cost.to_dict()} if self.cost else {})}
 
 
 def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[Shape] = DEFAULT_CANDIDATES,
@@ -240,7 +242,7 @@ def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[
     best = max(usable, key=lambda s: table[shape_name(s)], default=None)
     if best is None or table[shape_name(best)] <= 1.0:
         top = f"; best was {shape_name(best)} at {table[shape_name(best)]:.2f}x" if best is not None else ""
-        return Choice(None, 1.0, f"no shape pays on this machine{top}", table)
+        return Choice(None, 1.0, f"no shape pays on this machine{top}", table, cost)
     tau = expected_tau(acceptance, best)
     v = expected_verify_time(cost, best, acceptance) / cost.t_step
     dr = cost.t_draft(best) / cost.t_step
@@ -253,7 +255,7 @@ def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[
     at = f" at T={acceptance.temperature:g}" if acceptance.temperature > 0 else ""
     reason = (f"expected {table[shape_name(best)]:.2f}x{at}: tau {tau:.2f} at verify {v:.2f}x + draft {dr:.2f}x "
               f"a step; {', '.join([*others, 'plain 1.00x'])}")
-    return Choice(best, table[shape_name(best)], reason, table)
+    return Choice(best, table[shape_name(best)], reason, table, cost)
 
 
 def describe(choice: Choice, dtype_note: str = "") -> str:
