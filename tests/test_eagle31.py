@@ -169,7 +169,7 @@ def test_ttt_unroll_equals_inference_drafting(variant):
 @functools.cache
 def _references(arch: str):
     target = tiny_target(arch, num_hidden_layers=LAYERS)
-    prompts = random_prompts(16, seed=41)
+    prompts = random_prompts(10, seed=41)
     plain = SpeculativeDecoder(target)
     return prompts, [plain.generate(p, NEW_TOKENS).token_ids for p in prompts]
 
@@ -528,8 +528,16 @@ def test_vllm_serves_the_31_export_losslessly_at_draftsmiths_tau(tmp_path):
     dec = SpeculativeDecoder(target, drafter, ChainSpec(3))
     ours = [dec.generate(p, 24) for p in prompts]
     ours_tau = 1 + sum(sum(r.accepted_per_step) for r in ours) / sum(len(r.accepted_per_step) for r in ours)
+    # The same export with norm_output dropped from its config: what an engine that ignores the switch computes.
+    stripped = tmp_path / "stripped"
+    stripped.mkdir()
+    for f in (tmp_path / "vllm").iterdir():
+        (stripped / f.name).write_bytes(f.read_bytes())
+    cfg = _config(stripped)
+    cfg["norm_output"] = False
+    (stripped / "config.json").write_text(json.dumps(cfg))
     res = {}
-    for name, d in (("plain", "-"), ("eagle31", str(tmp_path / "vllm"))):
+    for name, d in (("plain", "-"), ("eagle31", str(tmp_path / "vllm")), ("stripped", str(stripped))):
         done = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_SERVE, str(tmp_path / "target"), d, json.dumps(prompts)],
                               capture_output=True, text=True, timeout=600, env=_engine_env())
         line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -539,6 +547,10 @@ def test_vllm_serves_the_31_export_losslessly_at_draftsmiths_tau(tmp_path):
     assert res["eagle31"]["tokens"] == res["plain"]["tokens"] == [s[6:30] for s in seqs[:4]]
     m = res["eagle31"]["metrics"]
     vllm_tau = 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"]
-    print(f"chain-3 tau: draftsmith {ours_tau:.3f}, vLLM {vllm_tau:.3f}")
+    m = res["stripped"]["metrics"]
+    stripped_tau = 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"]
+    print(f"chain-3 tau: draftsmith {ours_tau:.3f}, vLLM {vllm_tau:.3f}, vLLM without norm_output {stripped_tau:.3f}")
     assert ours_tau > 2.0
-    assert abs(vllm_tau - ours_tau) <= 0.1 * ours_tau, (vllm_tau, ours_tau)
+    assert abs(vllm_tau - ours_tau) <= 0.05 * ours_tau, (vllm_tau, ours_tau)  # issue 41's goal: within 5%
+    assert res["stripped"]["tokens"] == res["plain"]["tokens"]  # still lossless, only the drafts differ
+    assert stripped_tau != vllm_tau  # vLLM reads norm_output: ignoring it drafts something else
