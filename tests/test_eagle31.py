@@ -8,6 +8,7 @@ transformers_utils/configs/speculators/algos.py) and SpecForge (modeling/draft/l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -30,7 +31,7 @@ from draftsmith.model.ttt import TTTBatch, teacher_targets, ttt_forward
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
 from draftsmith.stages.doctor.diagnosis import diagnose
 from draftsmith.stages.export import ExportError, export_drafter, import_drafter, read_checkpoint
-from draftsmith.stages.train.config import TrainError, load_config
+from draftsmith.stages.train.config import TrainError, config_hash, load_config
 from draftsmith.stages.train.run import train
 from draftsmith.testing.models import build_tiny_model
 
@@ -319,6 +320,10 @@ def test_train_config_norm_options(tmp_path):
     base = dict(conversations="c.jsonl", out=str(tmp_path / "o"))
     cfg = load_config(None, {**base, "norm_before_fc": True, "norm_output": True})
     assert cfg.norm_before_fc and cfg.norm_output and not cfg.fc_norm
+    # Off, the options leave a run's hash as it was before they existed (old runs resume); on, they change it.
+    plain = load_config(None, base)
+    assert config_hash(cfg) != config_hash(plain)
+    assert config_hash(plain) == config_hash(dataclasses.replace(plain, norm_output=False))
     with pytest.raises(TrainError, match="exclude each other"):
         load_config(None, {**base, "norm_before_fc": True, "fc_norm": True})
     with pytest.raises(TrainError, match="init_drafter keeps"):
