@@ -52,14 +52,16 @@ def _check_labels(out: Findings, d: DrafterFiles, on: dict[str, bool], names: se
     switches = ", ".join(f"{k} = {str(on[k]).lower()}" for k in ("norm_before_fc", "fc_norm"))
     if wrong:
         labelled_31 = any("is on but" in w for w in wrong)
+        says = ", ".join(f'"{k}": {str(v).lower()}' for k, v in (
+            ("norm_before_fc", INPUT_NORM_WEIGHT in names), ("fc_norm", len(tensors) > (INPUT_NORM_WEIGHT in names))))
         what = ("a drafter trained without the norm, labelled EAGLE-3.1: the engine would run a norm of untrained "
                 "(unit) weights" if labelled_31 else
                 "an EAGLE-3.1 drafter labelled EAGLE-3: vLLM drops the norm's tensor without a word and drafts "
                 "without the norm it was trained with")
         out.add("drafter.norms-mislabelled", "error", f"{'; '.join(wrong)}: {what}; it loads and accepts less",
                 f"drafter config.json: {switches}; {d.weights_file}: {', '.join(tensors) or 'no norm tensors'}",
-                "set the switches to what the drafter was trained with (draftsmith import/export writes them from "
-                "the tensors' checkpoint), or retrain")
+                f"set {says} in config.json, as the tensors say; or, if the drafter was trained with a norm whose "
+                "tensor is missing, re-export it from its training checkpoint")
     th = d.target_hidden
     if not isinstance(th, int):
         return
