@@ -246,6 +246,8 @@ def test_export_field_names_round_trip_with_identical_logits(exports, variant, f
 
 def test_sglang_caveats(exports, tmp_path):
     root, _, _ = exports
+    report = export_drafter(root / "paper" / "native", tmp_path / "v", "vllm")
+    assert report.norms == ["fc_norm", "norm_output"] and "EAGLE-3.1 norms: fc_norm, norm_output" in report.summary()
     for variant, says in (("speculators", "norm_before_fc=True: SGLang"), ("paper", "fc_norm / norm_output")):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

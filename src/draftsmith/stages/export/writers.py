@@ -44,6 +44,7 @@ class ExportReport:
     aux_layer_ids_sglang: list[int] | None
     num_speculative_tokens: int
     warnings: list[str] = field(default_factory=list)
+    norms: list[str] = field(default_factory=list)  # EAGLE-3.1 switches on (empty: an EAGLE-3 drafter)
 
     def summary(self) -> str:
         ids = self.aux_layer_ids or "unknown (the engine uses the target's default)"
@@ -51,6 +52,9 @@ class ExportReport:
                  f"aux layer ids: {ids} (input of layer L; vLLM)"
                  + (f", {self.aux_layer_ids_sglang} in SGLang's eagle_config" if self.aux_layer_ids_sglang
                     is not None else "")]
+        if self.norms:
+            lines.append(f"EAGLE-3.1 norms: {', '.join(self.norms)} (vLLM 0.32 reads them; versions before mid-2026 "
+                         "ignore them: check yours with draftsmith doctor --engine-version X.Y)")
         k = self.num_speculative_tokens
         if self.format == "sglang":
             lines.append(f"serve: python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
@@ -104,6 +108,7 @@ def export_drafter(
         format=fmt, path=out, weights=sorted(state), dtype=_dtype_name(target_dtype),
         aux_layer_ids=manifest["aux_layer_ids"] or [], aux_layer_ids_sglang=manifest["aux_layer_ids_sglang"]
         if fmt == "sglang" else None, num_speculative_tokens=num_speculative_tokens, warnings=notes,
+        norms=[k for k, on in ckpt.config.norm_flags().items() if on],
     )
 
 
