@@ -86,9 +86,43 @@ def reference_weight_name(name: str) -> str:
 
 
 def is_drafter_weight(name: str) -> bool:
-    """Whether a canonical name has a place in draftsmith's EAGLE-3 drafter."""
-    return (name in REQUIRED_WEIGHTS or name in OPTIONAL_WEIGHTS
+    """Whether a canonical name has a place in draftsmith's EAGLE-3 drafter (EAGLE-3.1 norms included)."""
+    return (name in REQUIRED_WEIGHTS or name in OPTIONAL_WEIGHTS or is_norm_weight(name)
             or (name.startswith(LAYER_PREFIX) and name.removeprefix(LAYER_PREFIX) in LAYER_PARAMS))
+
+
+# --- EAGLE-3.1 norms ---------------------------------------------------------------------------------------
+# The config switches, as speculators (models/eagle3/config.py), vLLM (llama_eagle3.py, speculators/algos.py) and
+# SpecForge/SGLang (llama3_eagle.py) spell them, all top-level booleans, default false:
+#   norm_before_fc: one RMSNorm over cat(aux states) before fc; tensor ``input_norm.weight`` [n_aux * target_hidden]
+#   fc_norm:        one RMSNorm per aux state before the concat; tensors ``fc_norm.{i}.weight`` [target_hidden]
+#   norm_output:    the state fed back to the next draft step is norm(out), not out; no tensor (reuses norm.weight)
+# norm_before_fc and fc_norm exclude each other (speculators refuses both; vLLM would apply both).
+# vLLM's HF-layout loader reads ``eagle_config.norm_before_fc`` before the top-level field.
+NORM_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output")
+INPUT_NORM_WEIGHT = "input_norm.weight"
+FC_NORM_PREFIX = "fc_norm."
+
+
+def fc_norm_weight_names(n_aux: int) -> list[str]:
+    return [f"{FC_NORM_PREFIX}{i}.weight" for i in range(n_aux)]
+
+
+def is_norm_weight(name: str) -> bool:
+    """``input_norm.weight`` or ``fc_norm.{i}.weight`` (canonical names)."""
+    if name == INPUT_NORM_WEIGHT:
+        return True
+    index = name.removeprefix(FC_NORM_PREFIX).removesuffix(".weight")
+    return name.startswith(FC_NORM_PREFIX) and name.endswith(".weight") and index.isdigit()
+
+
+def norm_switches(config: dict) -> dict[str, bool]:
+    """The EAGLE-3.1 switches a flat (Llama-style) drafter config turns on, read as vLLM reads them."""
+    nested = config.get("eagle_config") or {}
+    on = {k: bool(config.get(k, False)) for k in NORM_SWITCHES}
+    if isinstance(nested, dict) and "norm_before_fc" in nested:
+        on["norm_before_fc"] = bool(nested["norm_before_fc"])
+    return on
 
 
 # --- serving -----------------------------------------------------------------------------------------------
@@ -96,3 +130,28 @@ def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict
     """vLLM's ``--speculative-config`` for an EAGLE-3 drafter directory (an absolute path, so it works anywhere)."""
     return {"method": "eagle3", "model": str(Path(drafter).expanduser().resolve()),
             "num_speculative_tokens": int(num_speculative_tokens)}
+
+
+def norm_mismatches(switches: dict[str, bool], names: Iterable[str], n_aux: int | None) -> list[str]:
+    """How a drafter's EAGLE-3.1 switches and its norm tensors disagree (empty: they agree).
+
+    A switch on without its tensor is a 3.0 drafter labelled 3.1 (an engine would run a norm it never trained);
+    a tensor with its switch off is a 3.1 drafter labelled 3.0 (vLLM drops ``input_norm.*`` without a word).
+    ``norm_output`` has no tensor of its own and cannot be checked this way.
+    """
+    names = set(names)
+    out = []
+    has_input = INPUT_NORM_WEIGHT in names
+    fc = sorted(n for n in names if is_norm_weight(n) and n != INPUT_NORM_WEIGHT)
+    if switches.get("norm_before_fc") and not has_input:
+        out.append(f"norm_before_fc is on but the weights have no {INPUT_NORM_WEIGHT}")
+    if not switches.get("norm_before_fc") and has_input:
+        out.append(f"the weights hold {INPUT_NORM_WEIGHT} but norm_before_fc is off")
+    if switches.get("fc_norm"):
+        want = fc_norm_weight_names(n_aux) if n_aux else []
+        if not fc or (want and fc != sorted(want)):
+            out.append(f"fc_norm is on but the weights hold {fc or 'no fc_norm.*'}"
+                       + (f", not {want}" if want else ""))
+    elif fc:
+        out.append(f"the weights hold {', '.join(fc)} but fc_norm is off")
+    return out

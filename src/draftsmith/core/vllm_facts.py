@@ -67,6 +67,11 @@ class VllmProfile:
     eagle3_drafter_archs: dict[str, str]
     # Architectures draftsmith's plugin adds SupportsEagle3 to (their decoder loop is Llama's).
     plugin_patchable: frozenset[str] = frozenset()
+    # EAGLE-3.1 switches (core.conventions.NORM_SWITCHES) llama_eagle3 computes when an HF-layout config.json
+    # sets them, and those the speculators config reader (speculators/algos.py update_eagle3) carries over.
+    # A switch missing here is ignored: the drafter loads and drafts without that norm.
+    drafter_norms: frozenset[str] = frozenset()
+    speculators_norms: frozenset[str] = frozenset()
     seed_error: str = SEED_ERROR_032
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -198,6 +203,32 @@ _V032_DRAFTERS = {
     "Eagle3DeepseekV3ForCausalLM": "deepseek_eagle3",
 }
 
+# EAGLE-3.1 in vLLM (public PRs, all after 0.13): llama_eagle3 reads norm_before_fc (#36545, 2026-03) and
+# norm_output + fc_norm (#42764, 2026-05); the speculators reader carries norm_before_fc (#38111, 2026-03) and
+# norm_output + fc_norm (#46488, 2026-06) over. Before those, each field is ignored without a word (a loader
+# that knows no input_norm raises on the tensor after the target has loaded). 0.32.0's source has all of them:
+# llama_eagle3.py LlamaModel (input_norm, fc_norm, norm_output -> the post-norm state is fed back) and
+# speculators/algos.py update_eagle3 (norm_before_fc, fc_norm, norm_output default False; norm_before_residual
+# default True).
+_ALL_NORMS = frozenset({"norm_before_fc", "fc_norm", "norm_output"})
+_NORM_SOURCES = ("model_executor/models/llama_eagle3.py", "transformers_utils/configs/speculators/algos.py")
+
+
+def norms_from_source(root: str | os.PathLike) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(drafter_norms, speculators_norms) read from an installed vLLM's source text; None when it is not there."""
+    from pathlib import Path
+
+    texts = []
+    for rel in _NORM_SOURCES:
+        f = Path(root) / rel
+        if not f.is_file():
+            return None
+        texts.append(f.read_text(errors="replace"))
+    model, algos = texts
+    drafter = frozenset(k for k in _ALL_NORMS if f'"{k}"' in model)
+    return drafter, frozenset(k for k in drafter if f'"{k}"' in algos)
+
+
 # The older engine profile (vLLM up to about 0.13, late 2025), reconstructed from public vLLM source excerpts
 # and threads, not from an installed copy:
 #  * SpeculativeConfig._verify_args: ``eagle3_target_supported = ["llama", "qwen", "minicpm", "gpt_oss"]``,
@@ -248,6 +279,8 @@ VLLM_PROFILES: dict[str, VllmProfile] = {
         transformers_backend_archs=_V032_TRANSFORMERS_BACKEND,
         eagle3_drafter_archs=_V032_DRAFTERS,
         plugin_patchable=_V032_PLUGIN,
+        drafter_norms=_ALL_NORMS,
+        speculators_norms=_ALL_NORMS,
         notes=("versions after 0.32 are checked against the 0.32 facts",),
     ),
 }
@@ -324,6 +357,6 @@ def drafter_architecture_in_vllm(arch: str) -> str:
 __all__ = [
     "PLUGIN_ENV", "PLUGIN_MODULE", "PLUGIN_OFF", "SEED_ERROR_032", "VLLM_DISTRIBUTIONS", "VLLM_PROFILES",
     "VLLM_SERVER_MODULE", "VllmProfile", "drafter_architecture_in_vllm", "installed_vllm_distribution",
-    "installed_vllm_version", "vllm_serve_argv", "parse_version", "plugin_installed",
+    "installed_vllm_version", "norms_from_source", "vllm_serve_argv", "parse_version", "plugin_installed",
     "profile_for",
 ]

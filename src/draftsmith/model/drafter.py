@@ -4,6 +4,10 @@ Per position t the drafter sees ``g_t = fc(cat(aux_hidden_states_t))`` and the e
 (the target's frozen table) and predicts token t+2 over a reduced draft vocabulary. Later drafting steps
 feed the layer's own pre-norm output in place of ``g``. Module names equal the checkpoint's weight names
 (``fc``, ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so ``state_dict()`` *is* the layout.
+
+EAGLE-3.1 (speculators, vLLM, SpecForge) adds three switches, all off by default (then the drafter computes
+EAGLE-3 exactly): ``norm_before_fc`` (``input_norm``: one RMSNorm over cat(aux states) before ``fc``), ``fc_norm``
+(``fc_norm.{i}``: one RMSNorm per aux state) and ``norm_output`` (later steps are fed ``norm(out)``, not ``out``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import nn
 
 from draftsmith import __version__
 from draftsmith.core import vocab as vocab_mod
-from draftsmith.core.conventions import canonical_weight_name, from_sglang_layer_ids
+from draftsmith.core.conventions import canonical_weight_name, from_sglang_layer_ids, norm_mismatches, norm_switches
 from draftsmith.core.errors import DraftsmithError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -47,6 +51,10 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     norm_before_residual: bool = False
+    # EAGLE-3.1 (field names as speculators and vLLM write them; see core.conventions.NORM_SWITCHES)
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     target: dict = field(default_factory=dict)  # fingerprint of the target this drafter was made for
 
     @classmethod
@@ -78,6 +86,20 @@ class DrafterConfig:
             kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
         return cls(**kw)
 
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise DrafterError("norm_before_fc and fc_norm exclude each other (one norm over the concatenated aux "
+                               "states, or one per aux state); speculators refuses both, vLLM would apply both")
+
+    @property
+    def eagle31(self) -> bool:
+        """Whether any EAGLE-3.1 norm is on."""
+        return self.norm_before_fc or self.fc_norm or self.norm_output
+
+    def norm_flags(self) -> dict[str, bool]:
+        """The EAGLE-3.1 switches under the config names every engine reads."""
+        return {"norm_before_fc": self.norm_before_fc, "fc_norm": self.fc_norm, "norm_output": self.norm_output}
+
     def shape_key(self) -> dict:
         """The sizes a timing of this drafter depends on (keys of the measurement cache)."""
         return {"hidden": self.hidden_size, "inter": self.intermediate_size, "heads": self.num_attention_heads,
@@ -104,6 +126,7 @@ class DrafterConfig:
             "target_hidden_size": self.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "norm_before_residual": self.norm_before_residual,
+            **({k: True for k, on in self.norm_flags().items() if on}),
             "tie_word_embeddings": False,
             "attention_bias": False,
             "torch_dtype": str(dtype).removeprefix("torch."),
@@ -138,6 +161,7 @@ class DrafterConfig:
             rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             norm_before_residual=bool(d.get("norm_before_residual", False)),
+            **norm_switches(d),
             target=ours.get("target", {}),
         )
 
@@ -272,7 +296,12 @@ class Eagle3Drafter(nn.Module):
         # A drafter narrower/wider than its target cannot share the target's table: it carries its own
         # (saved as embed_tokens.weight, which engines then load instead of sharing).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
-        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        n_aux = len(cfg.aux_layer_ids)
+        # EAGLE-3.1 norms on the aux states (absent unless switched on: a 3.0 drafter has no such tensors).
+        self.input_norm = RMSNorm(n_aux * cfg.target_hidden_size, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                     for _ in range(n_aux)) if cfg.fc_norm else None
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -316,9 +345,14 @@ class Eagle3Drafter(nn.Module):
             return F.embedding(input_ids, self._embed[0].weight).to(self.fc.weight.dtype)
 
     def fuse(self, aux_hidden_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-        """g = fc(cat(low, mid, high))."""
+        """g = fc(cat(low, mid, high)); EAGLE-3.1 norms the concatenation (norm_before_fc) or each state (fc_norm)."""
         x = aux_hidden_states if torch.is_tensor(aux_hidden_states) else torch.cat(list(aux_hidden_states), -1)
-        return self.fc(x.to(self.fc.weight.dtype))
+        x = x.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1), strict=True)], -1)
+        return self.fc(x)
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(position_ids, self.fc.weight.dtype)
@@ -326,13 +360,18 @@ class Eagle3Drafter(nn.Module):
     # --- forward -------------------------------------------------------------------------------------
     def forward(self, g: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One drafter step over T positions; returns the pre-norm output [B, T, hidden]."""
+        """One drafter step over T positions; returns its output state [B, T, hidden] (see ``output_state``)."""
         cos, sin = self.rope(position_ids)
-        return self.layer(g, self.embed(input_ids), cos, sin, cache, mask)
+        return self.output_state(self.layer(g, self.embed(input_ids), cos, sin, cache, mask))
 
-    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary."""
-        return self.lm_head(self.norm(prenorm))
+    def output_state(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """The state a step hands on, fed back as the next step's ``g`` and read by ``logits``: the layer's pre-norm
+        output (EAGLE-3), or its final norm (EAGLE-3.1 ``norm_output``, as vLLM's and speculators' drafters do)."""
+        return self.norm(prenorm) if self.config.norm_output else prenorm
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary of an ``output_state`` (always read through the final norm once)."""
+        return self.lm_head(state if self.config.norm_output else self.norm(state))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -453,6 +492,9 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
         dv = vocab_mod.identity(cfg.vocab_size, cfg.draft_vocab_size)
     state["d2t"], state["t2d"] = dv.d2t, dv.t2d
     drafter = Eagle3Drafter(cfg, draft_vocab=dv, own_embedding=own)
+    mislabelled = norm_mismatches(cfg.norm_flags(), state, len(cfg.aux_layer_ids))
+    if mislabelled:
+        raise DrafterError(f"{path}: EAGLE-3.1 norms mislabelled: {'; '.join(mislabelled)}")
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DrafterError(f"{weights}: missing weights {sorted(missing)}, unexpected {sorted(unexpected)}")

@@ -242,7 +242,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int
         keys.append(k)
         values.append(v)
         out = ttt_attention(q, keys, values)
-        h = layer.finish(attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)), residual)
+        h = drafter.output_state(layer.finish(attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)), residual))
         if unroll_hidden is not None:
             unroll_hidden.append(h)
         predicted = _shift(answer, 2 + i)  # the token this step predicts is an assistant token

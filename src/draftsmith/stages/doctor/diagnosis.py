@@ -12,6 +12,7 @@ from draftsmith.stages.doctor.aux_checks import check_aux_layers
 from draftsmith.stages.doctor.drafter_checks import check_drafter_config, check_vocab_mapping, check_weights
 from draftsmith.stages.doctor.engine_checks import check_vllm_target
 from draftsmith.stages.doctor.hub import HubModel, download_hint, resolve_hub
+from draftsmith.stages.doctor.norm_checks import check_drafter_norms
 from draftsmith.stages.doctor.report import ENGINES, DoctorReport, DoctorUsageError, Findings
 from draftsmith.stages.doctor.state import EngineFacts, load_drafter, load_target, setup_engine
 from draftsmith.stages.doctor.target_checks import check_target, check_tokenizer
@@ -67,6 +68,7 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
         return
     check_drafter_config(out, engine, t, d)
     check_weights(out, engine, d)
+    check_drafter_norms(out, engine, d)
     check_aux_layers(out, engine, t, d)
     check_vocab_mapping(out, engine, t, d)
 

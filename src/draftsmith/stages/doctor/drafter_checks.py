@@ -6,7 +6,7 @@ layout needs for the speculators library to load it).
 from __future__ import annotations
 
 from draftsmith.core import vllm_facts
-from draftsmith.core.conventions import OPTIONAL_WEIGHTS, REQUIRED_WEIGHTS, layer_param_shapes
+from draftsmith.core.conventions import OPTIONAL_WEIGHTS, REQUIRED_WEIGHTS, is_norm_weight, layer_param_shapes
 from draftsmith.core.tensorfile import TensorInfo, read_small_tensor
 from draftsmith.stages.doctor.report import Findings
 from draftsmith.stages.doctor.state import DrafterFiles, EngineFacts, TargetFiles
@@ -126,7 +126,9 @@ def check_weights(out: Findings, engine: EngineFacts, d: DrafterFiles) -> None:
         out.add("weights.missing", "error", f"{len(missing)} tensor(s) the drafter needs are missing: "
                 f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}",
                 f"{where}: {len(names)} tensors", "re-export the drafter (draftsmith export)")
-    unknown = sorted(n for n in names if n not in REQUIRED_WEIGHTS and n not in OPTIONAL_WEIGHTS)
+    # EAGLE-3.1 norm tensors are checked with their switches (norm_checks).
+    unknown = sorted(n for n in names if n not in REQUIRED_WEIGHTS and n not in OPTIONAL_WEIGHTS
+                     and not is_norm_weight(n))
     biases = [n for n in unknown if n.endswith(".bias")]
     others = [n for n in unknown if not n.endswith(".bias")]
     if engine.name == "sglang" and unknown:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.core import vllm_facts
-from draftsmith.core.conventions import canonical_weight_name
+from draftsmith.core.conventions import NORM_SWITCHES, canonical_weight_name
 from draftsmith.core.pysource import VllmSource
 from draftsmith.core.tensorfile import TensorInfo, read_checkpoint_headers
 from draftsmith.stages.doctor.hfsource import HFSource
@@ -199,7 +199,7 @@ def load_drafter(out: Findings, path: Path, hub: HubModel | None = None) -> Draf
     if fmt == "speculators":
         cfg = dict(raw.get("transformer_layer_config") or {})
         for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
-                  "norm_before_residual"):
+                  "norm_before_residual", *NORM_SWITCHES):
             if k in raw:
                 cfg[k] = raw[k]
     else:

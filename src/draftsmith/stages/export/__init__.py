@@ -25,6 +25,15 @@ Facts taken from vLLM 0.32's source (``model_executor/models/llama_eagle3.py``, 
   * speculators: ``transformer_layer_config`` is the base dict; ``draft_vocab_size``, ``target_hidden_size``,
     ``norm_before_residual`` (default True!), ``eagle_aux_hidden_state_layer_ids`` are copied from the top level,
     and the architecture becomes ``Eagle3LlamaForCausalLM`` for ``model_type`` llama.
+
+EAGLE-3.1 (the switches ``norm_before_fc``, ``fc_norm``, ``norm_output``; ``core.conventions.NORM_SWITCHES``):
+  * every layout writes them top-level and explicit; the tensors keep one name everywhere: ``input_norm.weight``
+    (norm_before_fc, width n_aux * target_hidden_size) and ``fc_norm.{i}.weight`` (one per aux state).
+  * vLLM 0.32: llama_eagle3 reads all three (``eagle_config.norm_before_fc`` first) and feeds the post-norm state
+    back under norm_output; speculators/algos.py copies all three (absent: false). It drops ``input_norm.*``
+    when norm_before_fc is off. speculators 0.9: the same fields, norm_before_fc and fc_norm exclusive, and a
+    missing ``input_norm.weight`` is ignored at load. SpecForge and SGLang read ``fc_norm`` and ``norm_output``.
+  * the readers refuse a config whose switches and norm tensors disagree (a mislabelled drafter).
 """
 
 

@@ -26,8 +26,9 @@ LLAMA_EAGLE3_ARCHITECTURES = {
     SGLANG_ARCHITECTURE, VLLM_ARCHITECTURE, SPECULATORS_ARCHITECTURE, "LlamaForCausalLM",
     "Eagle3MiniMaxM2ForCausalLM", "Eagle3Qwen2_5vlForCausalLM", "Eagle3Qwen3vlForCausalLM",
 }
-# Config switches of EAGLE-3 variants whose computation draftsmith's drafter does not implement.
-_UNSUPPORTED_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias", "bias")
+# Config switches of EAGLE-3 variants whose computation draftsmith's drafter does not implement. (The EAGLE-3.1
+# norms, core.conventions.NORM_SWITCHES, it does.)
+_UNSUPPORTED_SWITCHES = ("attention_bias", "mlp_bias", "bias")
 
 
 # Export and import fail with the conventions module's error: converting between layouts is its concern.

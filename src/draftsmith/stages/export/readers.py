@@ -13,10 +13,13 @@ import torch
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import (
     MIDLAYER_PREFIX,
+    NORM_SWITCHES,
     REQUIRED_WEIGHTS,
     canonical_weight_name,
     from_sglang_layer_ids,
     is_drafter_weight,
+    norm_mismatches,
+    norm_switches,
     to_sglang_layer_ids,
 )
 from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig
@@ -154,6 +157,15 @@ def read_checkpoint(path: str | Path, fmt: str = "auto", *, aux_layers=None,
         cfg = DrafterConfig.from_hf_config(flat)
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{path}: config.json is not an EAGLE-3 drafter config ({type(e).__name__}: {e})") from e
+    mislabelled = norm_mismatches(cfg.norm_flags(), state, len(ids) if aux_known else None)
+    if mislabelled:
+        raise ExportError(f"{path}: the EAGLE-3.1 norms in config.json and the weights disagree: "
+                          f"{'; '.join(mislabelled)} (a drafter trained without a norm labelled with it, or the "
+                          "reverse); converting it would change its outputs")
+    if cfg.norm_output and fmt in ("sglang", "eagle") and not _manifest(path):
+        notes.append(f"{path}: norm_output = true: SpecForge before its PR #879 (2026-09) trained such drafters "
+                     "feeding back the un-normed state; if this one is older, it drafts as EAGLE-3 (norm_output "
+                     "false) and its acceptance will be low here")
     fc_in = state["fc.weight"].shape[1]
     if fc_in % cfg.target_hidden_size or (aux_known and fc_in != len(ids) * cfg.target_hidden_size):
         raise ExportError(f"{path}: fc.weight takes {fc_in} inputs, not {len(ids) if aux_known else 'k'} aux "
@@ -208,7 +220,8 @@ def _flatten_config(raw: dict, fmt: str, path: Path) -> dict:
         if flat.get("model_type", "llama") != "llama":
             raise ExportError(f"{path}: transformer_layer_config model_type {flat['model_type']!r}; only llama "
                               "EAGLE-3 layers are supported")
-        for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", *_UNSUPPORTED_SWITCHES):
+        for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", *NORM_SWITCHES,
+                  *_UNSUPPORTED_SWITCHES):
             if raw.get(k) is not None:
                 flat[k] = raw[k]
         # vLLM's speculators reader (algos.update_eagle3) defaults a missing field to True.
@@ -224,8 +237,11 @@ def _flatten_config(raw: dict, fmt: str, path: Path) -> dict:
                           f"(supported: {', '.join(sorted(LLAMA_EAGLE3_ARCHITECTURES))})")
     on = [k for k in _UNSUPPORTED_SWITCHES if flat.get(k)]
     eagle_config = flat.get("eagle_config") or {}
-    if eagle_config.get("norm_before_fc"):
-        on.append("eagle_config.norm_before_fc")
+    nested = eagle_config.get("norm_before_fc")
+    if nested is not None and "norm_before_fc" in flat and bool(nested) != bool(flat["norm_before_fc"]):
+        raise ExportError(f"{path}: eagle_config.norm_before_fc = {nested} but the top-level norm_before_fc = "
+                          f"{flat['norm_before_fc']}: vLLM reads the first, other engines the second")
+    flat.update(norm_switches(flat))  # eagle_config's norm_before_fc (what vLLM reads first) made top-level
     if eagle_config.get("use_aux_hidden_state") is False:
         on.append("eagle_config.use_aux_hidden_state=false")
     if on:

@@ -44,6 +44,7 @@ class ExportReport:
     aux_layer_ids_sglang: list[int] | None
     num_speculative_tokens: int
     warnings: list[str] = field(default_factory=list)
+    norms: list[str] = field(default_factory=list)  # EAGLE-3.1 switches on (empty: an EAGLE-3 drafter)
 
     def summary(self) -> str:
         ids = self.aux_layer_ids or "unknown (the engine uses the target's default)"
@@ -51,6 +52,9 @@ class ExportReport:
                  f"aux layer ids: {ids} (input of layer L; vLLM)"
                  + (f", {self.aux_layer_ids_sglang} in SGLang's eagle_config" if self.aux_layer_ids_sglang
                     is not None else "")]
+        if self.norms:
+            lines.append(f"EAGLE-3.1 norms: {', '.join(self.norms)} (vLLM 0.32 reads them; versions before mid-2026 "
+                         "ignore them: check yours with draftsmith doctor --engine-version X.Y)")
         k = self.num_speculative_tokens
         if self.format == "sglang":
             lines.append(f"serve: python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
@@ -104,6 +108,7 @@ def export_drafter(
         format=fmt, path=out, weights=sorted(state), dtype=_dtype_name(target_dtype),
         aux_layer_ids=manifest["aux_layer_ids"] or [], aux_layer_ids_sglang=manifest["aux_layer_ids_sglang"]
         if fmt == "sglang" else None, num_speculative_tokens=num_speculative_tokens, warnings=notes,
+        norms=[k for k, on in ckpt.config.norm_flags().items() if on],
     )
 
 
@@ -174,6 +179,13 @@ def _engine_layout(ckpt: DrafterCheckpoint, state: dict[str, torch.Tensor], fmt:
             notes.append(f"{ckpt.n_aux} aux layers: SGLang's llama_eagle3 has sized fc for 3; check your version")
         if cfg.norm_before_residual:
             notes.append("norm_before_residual=True: check that your SGLang version implements it")
+        if cfg.norm_before_fc:
+            notes.append("norm_before_fc=True: SGLang's llama_eagle3 reads fc_norm and norm_output but has no "
+                         "input_norm in the versions read, and skips unknown weights silently; retrain with "
+                         "fc_norm, or serve with vLLM")
+        elif cfg.fc_norm or cfg.norm_output:
+            notes.append("EAGLE-3.1 norms (fc_norm / norm_output): SGLang reads them only in versions after mid-2026; "
+                         "an older one loads the drafter without them and accepts less")
         if ckpt.has_own_embedding:
             notes.append("the drafter's width differs from the target's: SGLang versions that hand EAGLE-3 "
                          "drafters the target's embedding cannot serve it; check yours")
@@ -224,6 +236,7 @@ def _export_manifest(ckpt: DrafterCheckpoint, fmt: str, weights: list[str], targ
         "aux_layer_ids_sglang_convention": "output of layer i (SGLang eagle_config; its loader adds 1)",
         "dtype": {"from": _dtype_name(ckpt.dtype), "to": _dtype_name(target_dtype)},
         "embed_tokens": embedded,
+        "norms": cfg.norm_flags(),  # EAGLE-3.1 switches (all false: an EAGLE-3 drafter)
         "num_speculative_tokens": num_speculative_tokens,
         "target": cfg.target,
         "weights": weights,
@@ -257,7 +270,7 @@ def _sglang_config(ckpt: DrafterCheckpoint) -> dict:
     cfg = ckpt.config
     d = {"architectures": [SGLANG_ARCHITECTURE], **_llama_fields(cfg, ckpt.n_aux),
          "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-         "norm_before_residual": cfg.norm_before_residual}
+         "norm_before_residual": cfg.norm_before_residual, **cfg.norm_flags()}
     if ckpt.aux_known:
         d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": to_sglang_layer_ids(cfg.aux_layer_ids),
                              "use_aux_hidden_state": True}
@@ -269,9 +282,10 @@ def _sglang_config(ckpt: DrafterCheckpoint) -> dict:
 
 def _vllm_config(ckpt: DrafterCheckpoint) -> dict:
     cfg = ckpt.config
+    # vLLM's llama_eagle3 reads the EAGLE-3.1 switches top-level (norm_before_fc from eagle_config first, absent here).
     d = {"architectures": [VLLM_ARCHITECTURE], **_llama_fields(cfg, ckpt.n_aux),
          "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-         "norm_before_residual": cfg.norm_before_residual}
+         "norm_before_residual": cfg.norm_before_residual, **cfg.norm_flags()}
     if ckpt.aux_known:
         d["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
     return d
@@ -292,6 +306,8 @@ def _speculators_config(ckpt: DrafterCheckpoint, verifier: str, verifier_archite
         "target_hidden_size": cfg.target_hidden_size,
         # vLLM defaults this to True when absent; draftsmith's default is False: always explicit.
         "norm_before_residual": cfg.norm_before_residual,
+        # speculators' Eagle3SpeculatorConfig fields; vLLM's update_eagle3 copies each (absent: false).
+        **cfg.norm_flags(),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],

@@ -27,6 +27,16 @@ class TrainConfig:
     draft_vocab_size: int = 32000  # used when the vocab is built on the fly (online mode)
     init_drafter: str | None = None  # start from an existing drafter instead of random weights
     init_head: bool = False  # a fresh drafter's lm_head and norm start as the target's head rows and final norm
+    # --- EAGLE-3.1 norms of a new drafter (config names as speculators and vLLM write them; an init_drafter
+    # keeps its own). All off: an EAGLE-3 drafter. speculators turns norm_before_fc and norm_output on by default.
+    norm_before_fc: bool = dataclasses.field(default=False, metadata={
+        "help": "EAGLE-3.1: one RMSNorm over the concatenated aux hidden states before fc (input_norm)"})
+    fc_norm: bool = dataclasses.field(default=False, metadata={
+        "help": "EAGLE-3.1: one RMSNorm per aux hidden state before fc (fc_norm.{i}); excludes norm_before_fc"})
+    norm_output: bool = dataclasses.field(default=False, metadata={
+        "help": "EAGLE-3.1: later TTT / draft steps are fed the drafter's normed output state, not the raw one"})
+    norm_before_residual: bool = dataclasses.field(default=False, metadata={
+        "help": "the residual around the drafter's attention is hidden_norm(g), not g (speculators' default)"})
     ttt_steps: int = 7
     step_decay: float = 0.8
     teacher_temperature: float = 1.0  # soft labels' temperature (0: one-hot); README: 1 measured best
@@ -108,11 +118,26 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         raise TrainError(f"max_minutes must be >= 0 (0: no time bound), not {cfg.max_minutes}")
     if cfg.train_samples < 0:
         raise TrainError(f"train_samples must be >= 0 (0: all), not {cfg.train_samples}")
+    _check_norms(cfg)
     return cfg
 
 
+NORM_FIELDS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+
+
+def _check_norms(cfg: TrainConfig) -> None:
+    if cfg.norm_before_fc and cfg.fc_norm:
+        raise TrainError("norm_before_fc and fc_norm exclude each other (one norm over the concatenated aux states, "
+                         "or one per state); choose one")
+    on = [k for k in NORM_FIELDS if getattr(cfg, k)]
+    if cfg.init_drafter and on:
+        raise TrainError(f"{', '.join(on)}: an init_drafter keeps the norms its config.json names; "
+                         "these options shape a new drafter")
+
+
 # Fields added after runs existed: hashed only off their default, so those runs still resume.
-_ADDED_LATER = {"teacher_temperature": 1.0, "train_on": "answers"}
+_ADDED_LATER = {"teacher_temperature": 1.0, "train_on": "answers", "norm_before_fc": False, "fc_norm": False,
+                "norm_output": False, "norm_before_residual": False}
 
 
 def config_hash(cfg: TrainConfig) -> str:

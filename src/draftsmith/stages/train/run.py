@@ -22,7 +22,7 @@ from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import default_aux_layers
 from draftsmith.model.drafter import Eagle3Drafter, init_head_from_target, load_drafter, new_drafter
 from draftsmith.stages.train.checkpoints import load_checkpoint, save_drafter_atomic
-from draftsmith.stages.train.config import TrainConfig, TrainError, config_hash
+from draftsmith.stages.train.config import NORM_FIELDS, TrainConfig, TrainError, config_hash
 from draftsmith.stages.train.data import OnlineSource, StoreSource, first_samples, make_batches, split_eval
 from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
 from draftsmith.stages.train.loop import (
@@ -212,7 +212,8 @@ def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
         config=heads.config, vocab_size=heads.vocab_size, hidden_size=heads.hidden_size,
         embed_tokens=heads.embed_tokens, aux_layers=aux_layers or default_aux_layers(n_layers),
         device=torch.device(device), dtype=dtype, fingerprint=lambda: fingerprint)
-    drafter = new_drafter(like_target, draft_vocab=dv, seed=cfg.seed)
+    norms = {k: getattr(cfg, k) for k in NORM_FIELDS}  # EAGLE-3.1 switches (all off: EAGLE-3)
+    drafter = new_drafter(like_target, draft_vocab=dv, seed=cfg.seed, **norms)
     if cfg.init_head:
         init_head_from_target(drafter, heads.lm_head_weight, heads.final_norm_weight)
     return drafter.to(device=device, dtype=dtype).train()
