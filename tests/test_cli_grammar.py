@@ -7,6 +7,7 @@ on stderr and exit 2, checked before anything is loaded or created.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -97,8 +98,9 @@ def test_one_vllm_flag_group(command):
     missing = [f for f in VLLM_GROUP if f not in actions and not (command == "generate" and f in ("-dp",
                "--data-parallel-size"))]
     assert not missing
-    assert not [f for f in actions if f.startswith("--vllm-") and f != "--vllm-python" and f != "--vllm-bin"
-                and f != "--vllm-import"]
+    shown = [f for f, act in actions.items() if act.help != argparse.SUPPRESS]  # old names stay, hidden
+    assert not [f for f in shown if f.startswith("--vllm-") and f not in ("--vllm-python", "--vllm-bin",
+                                                                           "--vllm-import")]
 
 
 def test_generate_wires_the_vllm_group_into_its_config(monkeypatch, tmp_path):
@@ -259,3 +261,24 @@ def test_demo_takes_device_and_needs_no_vllm_env(monkeypatch, capsys):
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     demo_rule = next(line for line in makefile.splitlines() if line.startswith("demo:"))
     assert "VLLM" not in demo_rule
+
+
+def test_generate_json_prints_its_summary(online, tmp_path, capsys):
+    model, convs = online
+    out = tmp_path / "gen.jsonl"
+    assert main(["generate", "--input", str(convs), "--limit", "2", "--max-turns", "1", "--max-new-tokens", "2",
+                 "--target", str(model), "--out", str(out), "--no-progress", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["total"] == 2 and report["done"] + report["error"] + report["skipped"] == 2
+    assert report["out"] == str(out)
+
+
+def test_demo_summary_without_the_vllm_env_says_how_to_get_it(tmp_path, capsys):
+    from draftsmith.app.demo import print_summary
+
+    result = {"drafter": "d", "export": "e", "bench": {}, "vllm_serve": "vllm serve m", "workdir": str(tmp_path),
+              "seconds": {"total": 60.0}, "seconds_all_sessions": {"total": 60.0, "sessions": 1}}
+    print_summary({**result, "vllm_env": False}, "table")
+    assert "serve it (after `make vllm-env`, which installs vLLM): vllm serve m" in capsys.readouterr().out
+    print_summary({**result, "vllm_env": True}, "table")
+    assert "serve it: vllm serve m" in capsys.readouterr().out

@@ -50,6 +50,9 @@ def add_generate_parser(sub) -> None:
     # One engine process: data parallelism is several servers behind --backend openai.
     add_vllm_args(p, omit=("data_parallel_size",), max_num_seqs=128, kv_cache_gib=2.0,
                   title="vllm backend (vLLM's offline engine in a child process)")
+    for old, dest, kind in (("--vllm-max-num-seqs", "max_num_seqs", int),
+                            ("--vllm-kv-cache-gib", "kv_cache_gib", float)):  # the old names, hidden
+        p.add_argument(old, dest=dest, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g = p.add_argument_group("openai backend (vLLM, SGLang, ...)")
     g.add_argument("--server-url", action="append", default=[], metavar="URL",
                    help="e.g. http://localhost:8000 (repeat for several servers: requests go round-robin)")
