@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftsmith.cli import main
 from draftsmith.testing.models import save_tiny_target, tiny_chat_corpus
@@ -59,7 +60,9 @@ def _parser_actions(command: str) -> dict[str, object]:
 def test_auto_device_resolves_to_cpu_here_and_explicit_cpu_works():
     from draftsmith.core.device import DeviceError, resolve_device
 
-    assert resolve_device("auto") == "cpu" == resolve_device(None) == resolve_device("cpu")
+    here = "cuda" if torch.cuda.is_available() else "cpu"  # cpu on the CPU-only test machines
+    assert resolve_device("auto") == here == resolve_device(None)
+    assert resolve_device("cpu") == "cpu" == resolve_device("CPU")
     with pytest.raises(DeviceError, match="expected auto"):
         resolve_device("bogus:7")
 
@@ -181,10 +184,23 @@ def test_grad_accum_past_the_data_is_refused_not_spun(online, tmp_path, capsys):
 
 
 # --- flags that gave tracebacks (issue 44, defect 11) ----------------------------------------------------------
-@pytest.mark.parametrize("extra", [["--device", "cuda"], ["--device", "bogus:7"], ["--temperature", "nan"]])
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="--device cuda is valid on this machine")
+
+
+@pytest.mark.parametrize("extra", [pytest.param(["--device", "cuda"], marks=NO_CUDA), ["--device", "bogus:7"],
+                                   ["--temperature", "nan"]])
 def test_decode_bad_flags_are_one_line(online, capsys, extra):
     model, _ = online
     _one_line_exit_2(["decode", "--target", str(model), "--prompt", "hi", "--max-new-tokens", "2", *extra], capsys)
+
+
+@NO_CUDA
+def test_train_device_cuda_on_a_cpu_build_is_one_line(online, tmp_path, capsys):
+    model, convs = online
+    out = tmp_path / "run"
+    err = _one_line_exit_2(["train", "--target", str(model), "--conversations", str(convs), "--out", str(out),
+                            "--device", "cuda:0"], capsys)
+    assert "--device cuda:0" in err and not out.exists()
 
 
 def test_decode_explicit_cpu_runs(online, capsys):
