@@ -238,8 +238,9 @@ def add_train_parser(sub) -> None:
                            help=f"{text} (default {'on' if f.default else 'off'})")
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
+            shown = "" if f.default is None else f" (default {f.default!r})"
             p.add_argument(flag, dest=name, type=kind, default=None, choices=f.metadata.get("choices"),
-                           help=f"{text} (default {f.default!r})")
+                           help=text + shown)
     add_json_arg(p)
 
 
