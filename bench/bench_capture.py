@@ -35,7 +35,7 @@ def _conversations(path: Path, n: int) -> Path:
 
 def _run(backend: str, args, conv: Path, out: Path) -> dict:
     cmd = [sys.executable, "-m", "draftsmith.cli", "capture", "--target", args.target, "--conversations", str(conv),
-           "--out", str(out), "--target-dtype", "bfloat16", "--draft-vocab-size", "0", "--no-progress", "--json",
+           "--out", str(out), "--dtype", "bfloat16", "--draft-vocab-size", "0", "--no-progress", "--json",
            "--batch-size", str(args.batch_size)]
     if backend == "vllm":
         cmd += ["--backend", "vllm", "--vllm-python", args.vllm_python, "--max-num-seqs", str(args.max_num_seqs)]

@@ -455,7 +455,7 @@ def test_cli_bad_input_exits_2(tiny: dict[str, Any], tmp_path: Path, capsys: pyt
     out = tmp_path / "o4"
     ok = [*base, "--conversations", str(tiny["conv"]), "--out", str(out), "--limit", "2", "--draft-vocab-size", "0"]
     assert main(ok) == 0
-    assert main([*ok, "--dtype", "fp8"]) == 2
+    assert main([*ok, "--store-dtype", "fp8"]) == 2
     assert "dtype" in capsys.readouterr().err
 
 

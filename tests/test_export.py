@@ -417,8 +417,8 @@ def test_detect_format(exported):
 def test_cli_export_import(exported, tmp_path, capsys):
     root, target, d = exported
     code = main(["export", "--drafter", str(root / "native"), "--format", "speculators", "--out",
-                 str(tmp_path / "s"), "--dtype", "fp32", "--verifier", VERIFIER, "--num-speculative-tokens", "5",
-                 "--json"])
+                 str(tmp_path / "s"), "--export-dtype", "float32", "--verifier", VERIFIER,
+                 "--num-speculative-tokens", "5", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["format"] == "speculators" and report["aux_layer_ids"] == [2, 4, 5]
     proposal = _config(tmp_path / "s")["speculators_config"]["proposal_methods"][0]
@@ -440,7 +440,7 @@ def test_cli_include_embeddings_from_target_dir(tmp_path, capsys):
     d.save(tmp_path / "native")
     code = main(["export", "--drafter", str(tmp_path / "native"), "--format", "sglang", "--out",
                  str(tmp_path / "e"), "--include-embeddings", "--target", str(tmp_path / "target"),
-                 "--dtype", "fp32"])
+                 "--export-dtype", "float32"])
     assert code == 0, capsys.readouterr().err
     assert torch.equal(_weights(tmp_path / "e")["embed_tokens.weight"], target.embed_tokens.weight)
 

@@ -79,7 +79,7 @@ def llama(tmp_path_factory):
 
 def test_vllm_store_equals_hf_store_tiny_llama(llama):
     root, target, conv = llama
-    common = ["--target", str(target), "--conversations", str(conv), "--target-dtype", "float32",
+    common = ["--target", str(target), "--conversations", str(conv), "--dtype", "float32",
               "--draft-vocab-size", "64"]
     hf = _cli(*common, "--out", str(root / "hf"))
     vl = _cli(*common, "--out", str(root / "vllm"), "--backend", "vllm", "--vllm-python", str(VLLM_PYTHON),
@@ -120,7 +120,7 @@ _SLOW_INGEST = textwrap.dedent("""
 def test_vllm_capture_kill9_then_rerun_exactly_once(llama):
     root, target, conv = llama
     out = root / "killed"
-    args = ["capture", "--target", str(target), "--conversations", str(conv), "--out", str(out), "--target-dtype",
+    args = ["capture", "--target", str(target), "--conversations", str(conv), "--out", str(out), "--dtype",
             "float32", "--draft-vocab-size", "64", "--shard-mb", "0.0001", "--backend", "vllm", "--vllm-python",
             str(VLLM_PYTHON), "--kv-cache-gib", "0.25", "--no-progress", "--json"]
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_INGEST, *args], stdout=subprocess.PIPE,
@@ -178,7 +178,7 @@ def test_drafter_from_the_vllm_store_accepts_like_one_from_the_hf_store(llama):
     from draftsmith.stages.train import load_config, train
 
     root, target, conv = llama
-    common = ["--target", str(target), "--conversations", str(conv), "--target-dtype", "float32",
+    common = ["--target", str(target), "--conversations", str(conv), "--dtype", "float32",
               "--draft-vocab-size", "64"]
     for name, extra in (("hf", []), ("vllm", ["--backend", "vllm", "--vllm-python", str(VLLM_PYTHON),
                                               "--kv-cache-gib", "0.25", "--max-num-seqs", "16"])):

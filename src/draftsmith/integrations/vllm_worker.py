@@ -7,7 +7,8 @@ parsing, detokenising, streaming) competes with the engine for the same cores; m
 SmolLM2-135M, 128 sequences in flight: ~300 tok/s through the server, ~890 tok/s offline.
 
 Protocol: argv[1] is a JSON object of engine options (model, dtype, max_model_len, max_num_seqs,
-kv_cache_memory_bytes, seed, enforce_eager: default eager on CPU). Then one JSON request per stdin line:
+kv_cache_memory_bytes (CPU), gpu_memory_utilization (GPU), tensor_parallel_size, seed, enforce_eager: default eager
+on CPU). Then one JSON request per stdin line:
 ``{"prompts": [[ids]], "max_tokens": [n], "temperature": t, "top_p": p, "top_k": k, "seeds": [s] | null,
 "stop_token_ids": [ids], "stop": [texts]}``, answered by one stdout line:
 ``{"outputs": [{"ids": [...], "finish_reason": "stop" | "length"}]}`` or ``{"error": "..."}``.
@@ -42,10 +43,12 @@ def main() -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    engine_args = {k: opts[k] for k in ("model", "dtype", "max_model_len", "max_num_seqs", "seed",
-                                         "kv_cache_memory_bytes", "enforce_eager") if opts.get(k) is not None}
     from vllm.platforms import current_platform
+
+    # The KV cache is sized in bytes on CPU (vLLM-CPU's knob) and as a share of memory on GPUs.
+    memory = "kv_cache_memory_bytes" if current_platform.is_cpu() else "gpu_memory_utilization"
+    engine_args = {k: opts[k] for k in ("model", "dtype", "max_model_len", "max_num_seqs", "seed", memory,
+                                         "tensor_parallel_size", "enforce_eager") if opts.get(k) is not None}
 
     if opts.get("enforce_eager") is None:
         # On CPU, graph capture costs ~2 minutes at start and bought nothing measured (SmolLM2, 2 cores:

@@ -417,8 +417,10 @@ def load_target(
     """
     from transformers import AutoConfig, AutoTokenizer
 
+    from draftsmith.core.device import resolve_device
     from draftsmith.model.sources import resolve_model_path
 
+    device = resolve_device(device)  # "auto" and bad spellings: the one reading every command shares
     dtype = dtype or default_dtype(device)
     model_dir, gguf_file = resolve_model_path(path)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -536,8 +538,10 @@ def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dty
     from safetensors import safe_open
     from transformers import AutoConfig
 
+    from draftsmith.core.device import resolve_device
     from draftsmith.model.sources import resolve_model_path
 
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     model_dir, gguf = resolve_model_path(path)
     if gguf:  # no tensor index in a GGUF: load it whole (small models only)

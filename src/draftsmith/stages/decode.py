@@ -35,8 +35,8 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too
+            raise UsageError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

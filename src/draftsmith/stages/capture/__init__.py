@@ -48,7 +48,7 @@ from draftsmith.stages.capture.common import (
     store_meta,
 )
 from draftsmith.stages.capture.hf import SampleFeatures, _plan_batches, batched_features, capture, run_capture
-from draftsmith.stages.capture.vllm import VllmOptions, add_engine_arguments, options_from_args, run_capture_vllm
+from draftsmith.stages.capture.vllm import VllmOptions, run_capture_vllm
 from draftsmith.stages.capture.vocab import build_vocab, count_store_tokens
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
     "VllmOptions",
     "VocabReport",
     "_plan_batches",
-    "add_engine_arguments",
     "batched_features",
     "build_vocab",
     "capture",
@@ -71,7 +70,6 @@ __all__ = [
     "count_store_tokens",
     "errors_path",
     "record_tokens",
-    "options_from_args",
     "run_capture",
     "run_capture_vllm",
     "store_meta",

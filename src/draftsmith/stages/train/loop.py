@@ -229,6 +229,9 @@ def train_loop(run: Run) -> dict:
         batches = batches[: len(batches) // world * world][run.rank::world]
         if not batches:
             raise TrainError("not enough data for one batch per rank")
+        if cfg.grad_accum > len(batches):  # no optimizer step could ever run: the loop would spin over epochs
+            raise TrainError(f"--grad-accum {cfg.grad_accum} is more than the {len(batches)} micro-batch(es) an epoch "
+                             "has here per rank; lower --grad-accum or --batch-tokens")
         while state["batch_in_epoch"] + cfg.grad_accum <= len(batches) and state["step"] < run.total_steps:
             stats = TTTStats()
             opt.zero_grad(set_to_none=True)

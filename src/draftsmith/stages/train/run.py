@@ -47,9 +47,17 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
+    from dataclasses import replace
+
+    from draftsmith.core.device import resolve_device
+
+    cfg.validate()
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--out {out}: exists and is not a directory (a run directory is written there)")
+    cfg = replace(cfg, device=resolve_device(cfg.device))
     owns_group = setup_distributed(cfg.device)
     rank, world = dist_info()
-    out = Path(cfg.out)
     lock, ok = None, False
     try:
         lock = _lock_out(out, rank)
