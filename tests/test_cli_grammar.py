@@ -287,14 +287,3 @@ def test_generate_json_prints_its_summary(online, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["total"] == 2 and report["done"] + report["error"] + report["skipped"] == 2
     assert report["out"] == str(out)
-
-
-def test_demo_summary_without_the_vllm_env_says_how_to_get_it(tmp_path, capsys):
-    from draftsmith.app.demo import print_summary
-
-    result = {"drafter": "d", "export": "e", "bench": {}, "vllm_serve": "vllm serve m", "workdir": str(tmp_path),
-              "seconds": {"total": 60.0}, "seconds_all_sessions": {"total": 60.0, "sessions": 1}}
-    print_summary({**result, "vllm_env": False}, "table")
-    assert "serve it (after `make vllm-env`, which installs vLLM): vllm serve m" in capsys.readouterr().out
-    print_summary({**result, "vllm_env": True}, "table")
-    assert "serve it: vllm serve m" in capsys.readouterr().out

@@ -44,7 +44,7 @@ def test_a_section_gives_defaults_and_flags_given_win(tmp_path):
     r = _write(tmp_path, '[capture]\nconversations = "c.jsonl"\nout = "store"\nmax-length = 4096\n'
                          'aux_layers = [2, 4, 5]\nno_progress = true\nbackend = "vllm"\ntensor_parallel_size = 8\n')
     args = _parse(["capture", "--config", r, "--max-length", "256", "-tp", "2"])
-    assert (args.conversations, args.out, args.aux_layers, args.no_progress) == ("c.jsonl", "store", "2,4,5", True)
+    assert (args.conversations, args.out, args.aux_layers, args.progress) == ("c.jsonl", "store", "2,4,5", False)
     assert (args.max_length, args.tensor_parallel_size, args.backend) == (256, 2, "vllm")
     assert _parse(["capture", f"--config={r}"]).max_length == 4096
 
