@@ -124,3 +124,33 @@ def test_cli_gguf_needs_target_gguf(tmp_path):
                           "--format", "gguf", "--out", str(tmp_path / "o.gguf"), "--target", str(tmp_path / "model")],
                          capture_output=True, text=True)
     assert run.returncode == 2 and ".gguf file" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("arch,blocking", [("llama", False), ("qwen2", True)])
+def test_doctor_llamacpp_on_model_directories(tmp_path, arch, blocking):
+    """From a target directory and a draftsmith drafter: llama drafts in llama.cpp, qwen2 aborts at first decode."""
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.doctor.diagnosis import diagnose
+    from draftsmith.testing.models import save_tiny_target
+
+    path = save_tiny_target(tmp_path / arch, arch)
+    new_drafter(load_target(path, pack=False)).save(tmp_path / "drafter")
+    report = diagnose(path, tmp_path / "drafter", engine="llamacpp")
+    assert report.blocking is blocking, report.summary()
+    assert ("llamacpp.target-arch" in report.ids("error")) is blocking
+
+
+def test_doctor_llamacpp_flags_norms_it_does_not_read(tmp_path):
+    import json
+
+    from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+    from draftsmith.testing.models import save_tiny_target
+
+    path = save_tiny_target(tmp_path / "t", "llama")
+    d = smol_drafter()
+    d.save(tmp_path / "drafter")
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
+    report = diagnose_llamacpp(path, tmp_path / "drafter")
+    assert "llamacpp.norms" in report.ids("error")

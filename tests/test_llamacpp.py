@@ -50,6 +50,29 @@ def write_f32_gguf(src, dst) -> None:
     w.close()
 
 
+def write_renamed_arch(src, dst, arch: str) -> None:
+    """A copy of a llama GGUF relabelled as ``arch`` (keys renamed; zero q/k/v biases, which qwen2 reads)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(src)
+    f = {k: v.contents() for k, v in reader.fields.items() if k.startswith("llama.")}
+    w = GGUFWriter(dst, arch)
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name not in ("general.architecture", "general.file_type"):
+            copy_field(w, field, arch + name.removeprefix("llama") if name.startswith("llama.") else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    kv = f["llama.embedding_length"] // f["llama.attention.head_count"] * f["llama.attention.head_count_kv"]
+    for i in range(f["llama.block_count"]):
+        for name, n in (("q", f["llama.embedding_length"]), ("k", kv), ("v", kv)):
+            w.add_tensor(f"blk.{i}.attn_{name}.bias", np.zeros(n, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def fit_drafter(target, dv, sequences, steps: int = 60, ttt_steps: int = 3):
     """Fit a drafter with a reduced vocabulary to the target's greedy choices along ``sequences`` (TTT chain)."""
     torch.manual_seed(0)
@@ -134,3 +157,36 @@ def test_engine_acceptance_matches_draftsmith_chain(world):
     tau_ours, tau_engine = 1 + acc_ours / passes_ours, 1 + acc_engine / passes_engine
     assert tau_ours > 1.5  # the fitted drafter is worth comparing
     assert abs(tau_engine - tau_ours) <= 0.1 * tau_ours, (tau_engine, tau_ours)
+
+
+def test_doctor_ok_where_the_engine_loads_and_drafts(world):
+    from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+
+    report = diagnose_llamacpp(world["target_gguf"], world["gguf"])
+    assert not report.blocking, report.summary()
+    assert report.facts["aux_layer_ids"] == list(world["drafter"].config.aux_layer_ids)
+    # the engine's outcome for the same pair: it loads and drafts (greedy output kept)
+    run = LlamaCppEngine(world["target_gguf"], "eagle3", drafter=world["gguf"], k=K).complete(world["prompts"][0], 8)
+    assert run.draft_n > 0
+
+
+def test_doctor_error_where_the_engine_aborts_at_first_decode(world, tmp_path):
+    """A qwen2 target: llama.cpp loads the pair, then aborts the process at the first decode; doctor says error."""
+    import subprocess
+    import sys
+
+    from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+
+    qwen2 = tmp_path / "qwen2.gguf"
+    write_renamed_arch(world["target_gguf"], qwen2, "qwen2")
+    report = diagnose_llamacpp(qwen2, world["gguf"])
+    assert report.blocking and "llamacpp.target-arch" in report.ids("error")
+    script = ("import sys\nfrom draftsmith.integrations.llamacpp import LlamaCppEngine as E\n"
+              "print('plain', E(sys.argv[1], 'plain').complete([1, 2, 3], 2).completion_tokens, flush=True)\n"
+              "e = E(sys.argv[1], 'eagle3', drafter=sys.argv[2])\nprint('loaded', flush=True)\n"
+              "e.complete([1, 2, 3], 2)\nprint('decoded', flush=True)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(qwen2), str(world["gguf"])], capture_output=True,
+                         text=True, timeout=300)
+    assert "plain 2" in run.stdout and "loaded" in run.stdout  # the target and the pair load...
+    assert "decoded" not in run.stdout and run.returncode != 0  # ...and the first speculative decode aborts
+    assert "layer input tensor is null" in run.stderr

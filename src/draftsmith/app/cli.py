@@ -297,8 +297,9 @@ def _add_doctor_parsers(sub) -> None:
         description="Reads config, tokenizer and safetensors headers only (never weights) and reports every "
                     "mismatch that would fail at load or accept ~nothing. Exit 0: nothing blocks; 1: an error "
                     "finding; 2: unusable arguments.")
-    p.add_argument("--target", required=True, help="target model directory")
-    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (any layout draftsmith reads)")
+    p.add_argument("--target", required=True, help="target model directory (llamacpp: the target's .gguf file)")
+    p.add_argument("--drafter", default=None,
+                   help="EAGLE-3 drafter directory (any layout draftsmith reads; llamacpp: also a drafter .gguf)")
     p.add_argument("--engine", choices=ENGINES, default="vllm", help="engine to check against (default vllm)")
     p.add_argument("--engine-version", default=None, metavar="X.Y",
                    help="vLLM version to check against (default: the one installed here, else the latest facts)")

@@ -7,7 +7,8 @@ Checked against PyPI ``xllamacpp==2026.10.11549`` (a prebuilt CPU build of llama
     is optional (default false). No other drafter switch is read: a drafter that needs one cannot be served.
   * an aux id names the *input* of that target layer (Hugging Face ``hidden_states[id]``), as draftsmith and vLLM
     count them; the target's graph must expose layer inputs, which only some architectures' graphs do. Any other
-    target loads, then aborts at the first decode ("EAGLE3: target layer %d input not extracted").
+    target loads, then aborts at the first decode (measured on a qwen2 GGUF: GGML_ASSERT "layer input tensor is
+    null", SIGABRT, the whole process).
   * drafting is a chain (``speculative.draft.n_max`` tokens per round); no trees.
 """
 

@@ -264,12 +264,10 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
                             target_arch=tgt.arch, target=str(tgt.path), draft_vocab_size=cfg.draft_vocab_size)
 
 
-def copy_field(w, field) -> None:
-    """Copy one key of the target's GGUF verbatim (type included)."""
+def copy_field(w, field, name: str | None = None) -> None:
+    """Copy one key of another GGUF verbatim (type included), under ``name`` when given."""
     from gguf import GGUFValueType
 
     main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        w.add_key_value(field.name, field.contents(), main, sub_type=field.types[-1])
-    else:
-        w.add_key_value(field.name, field.contents(), main)
+    sub = {"sub_type": field.types[-1]} if main == GGUFValueType.ARRAY else {}
+    w.add_key_value(name or field.name, field.contents(), main, **sub)
