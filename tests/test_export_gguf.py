@@ -52,6 +52,7 @@ def test_gguf_keys_tensors_and_d2t(tmp_path):
     f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("GGUF.")}
     assert f["general.architecture"] == "eagle3"
     assert f["eagle3.target_layers"] == [2, 15, 27]  # input of layer L: draftsmith's own numbers, unchanged
+    assert f["eagle3.extract_layers"] == [2, 15, 27]  # the key's name in early builds
     assert f["eagle3.target_hidden_size"] == 576
     assert f["eagle3.norm_before_residual"] is False
     assert f["eagle3.block_count"] == 1 and f["eagle3.attention.head_count_kv"] == 3

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 GGUF_ARCH = "eagle3"
-KEY_TARGET_LAYERS = "eagle3.target_layers"  # early builds: eagle3.extract_layers
+KEY_TARGET_LAYERS = "eagle3.target_layers"
+KEY_TARGET_LAYERS_EARLY = "eagle3.extract_layers"  # the same ids, as builds before the rename read them
 KEY_TARGET_HIDDEN_SIZE = "eagle3.target_hidden_size"
 KEY_NORM_BEFORE_RESIDUAL = "eagle3.norm_before_residual"
 N_AUX = 3

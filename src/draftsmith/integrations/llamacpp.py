@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODES = ("plain", "eagle3", "ngram")
+NGRAM_KEY = 3  # tokens of context an n-gram lookup matches on
 
 
 def available() -> bool:
@@ -68,7 +69,8 @@ class LlamaCppEngine:
             spec.draft.cpuparams.n_threads = spec.draft.cpuparams_batch.n_threads = threads
         elif mode == "ngram":  # llama.cpp's prompt lookup: match the last n tokens earlier in the context
             spec.types = [x.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
-            spec.ngram_simple.size_m = k
+            # Its default 12-token key almost never recurs in chat; 3 is draftsmith's lookup's longest n-gram.
+            spec.ngram_simple.size_n, spec.ngram_simple.size_m, spec.ngram_simple.min_hits = NGRAM_KEY, k, 1
         self.mode, self.k = mode, k
         self.server = x.Server(p)
 

@@ -246,6 +246,7 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_array(facts.KEY_TARGET_LAYERS, ids)
+    w.add_array(facts.KEY_TARGET_LAYERS_EARLY, ids)  # ignored by current builds, read by early ones
     w.add_uint32(facts.KEY_TARGET_HIDDEN_SIZE, cfg.target_hidden_size)
     w.add_bool(facts.KEY_NORM_BEFORE_RESIDUAL, bool(switches.get("norm_before_residual")))
     for field in tgt.tokenizer_fields:
