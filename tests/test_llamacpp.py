@@ -155,6 +155,7 @@ def test_engine_acceptance_matches_draftsmith_chain(world):
         acc_ours, passes_ours = acc_ours + sum(r.accepted_per_step), passes_ours + len(r.accepted_per_step)
         acc_engine, passes_engine = acc_engine + e.draft_n_accepted, passes_engine + e.verify_passes
     tau_ours, tau_engine = 1 + acc_ours / passes_ours, 1 + acc_engine / passes_engine
+    print(f"chain k={K}: draftsmith tau {tau_ours:.3f}, llama.cpp tau {tau_engine:.3f}")
     assert tau_ours > 1.5  # the fitted drafter is worth comparing
     assert abs(tau_engine - tau_ours) <= 0.1 * tau_ours, (tau_engine, tau_ours)
 
