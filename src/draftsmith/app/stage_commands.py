@@ -270,22 +270,25 @@ def train(args) -> int:
 
 # --- export / import -------------------------------------------------------------------------------------
 def add_export_parsers(sub) -> None:
-    p = sub.add_parser("export", help="write a drafter in an engine's layout (SGLang, vLLM, speculators)",
+    p = sub.add_parser("export", help="write a drafter in an engine's layout (SGLang, vLLM, speculators, llama.cpp)",
                        description="Write a drafter (draftsmith's own layout, or any layout import reads) as the "
                                    "engine's loader expects it: weight names, aux layer id convention, config "
                                    "fields. Writes config.json, model.safetensors and draftsmith-export.json.")
     p.add_argument("--drafter", required=True, metavar="DIR", help="drafter directory")
-    p.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"],
+    p.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators", "gguf"],
                    help="sglang: EAGLE-3 HF layout (midlayer.*, eagle_config ids one lower; vLLM reads it too); "
-                        "vllm: --speculative-config model dir; speculators: `vllm serve DIR` works")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
+                        "vllm: --speculative-config model dir; speculators: `vllm serve DIR` works; "
+                        "gguf: one EAGLE-3 .gguf for llama.cpp (--model-draft; needs --target, the target's .gguf)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="output directory (new or empty); gguf: a .gguf file, or a directory for drafter.gguf")
     p.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="dtype of the written weights (default bfloat16)")
     p.add_argument("--include-embeddings", action="store_true",
                    help="also write embed_tokens.weight (engines share the target's otherwise); needs --target "
                         "unless the drafter has its own")
     p.add_argument("--target", default=None, metavar="DIR",
-                   help="the target model: source of --include-embeddings, default of --verifier")
+                   help="the target model: source of --include-embeddings, default of --verifier; gguf: the "
+                        "target's .gguf file (or 'smollm2'), whose architecture is checked and tokenizer copied")
     p.add_argument("--verifier", default=None, metavar="NAME_OR_PATH",
                    help="speculators: the target vLLM serves (Hugging Face id or directory); default --target")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
@@ -316,6 +319,8 @@ def export(args) -> int:
 
     if args.num_speculative_tokens < 1:
         raise UsageError("--num-speculative-tokens must be >= 1")
+    if args.format == "gguf":
+        return _export_gguf(args)
     embeddings = target_embeddings(args.target) if args.include_embeddings and args.target else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -326,6 +331,20 @@ def export(args) -> int:
             num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
     for w in caught:
         print(f"draftsmith: warning: {w.message}", file=sys.stderr)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
+
+
+def _export_gguf(args) -> int:
+    from draftsmith.stages.export.gguf import export_gguf
+
+    if not args.target:
+        raise UsageError("--format gguf needs --target: the target's .gguf file llama.cpp serves (or 'smollm2')")
+    if args.include_embeddings:
+        raise UsageError("--format gguf shares the target's embedding (llama.cpp reads it from the target GGUF); "
+                         "drop --include-embeddings")
+    report = export_gguf(args.drafter, args.out, target=args.target, dtype=EXPORT_DTYPES[args.export_dtype],
+                         overwrite=args.force)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0
 

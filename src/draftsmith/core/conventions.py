@@ -48,6 +48,17 @@ def from_sglang_layer_ids(ids: Iterable[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
+def to_llamacpp_layer_ids(ids: Iterable[int], num_layers: int | None = None) -> list[int]:
+    """draftsmith/vLLM ids -> llama.cpp's ``eagle3.target_layers``: the same numbers (an id names the *input* of
+    that target layer there too, HF ``hidden_states[id]``), but exactly three of them, each a real layer."""
+    ids = [int(i) for i in ids]
+    if len(ids) != 3:
+        raise ConventionError(f"llama.cpp's EAGLE-3 reads exactly 3 aux layers, this drafter has {len(ids)} ({ids})")
+    if any(i < 0 for i in ids) or (num_layers is not None and any(i >= num_layers for i in ids)):
+        raise ConventionError(f"aux layer ids {ids} fall outside the target's {num_layers} layers")
+    return ids
+
+
 # --- weight names ------------------------------------------------------------------------------------------
 LAYER_PREFIX = "layers.0."  # draftsmith's, vLLM's and SpecForge's name for the one decoder layer
 MIDLAYER_PREFIX = "midlayer."  # the EAGLE reference implementation's name for it

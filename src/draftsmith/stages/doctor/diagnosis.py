@@ -33,6 +33,10 @@ def diagnose(target: str | Path, drafter: str | Path | None = None, *, engine: s
     t0 = time.perf_counter()
     if engine not in ENGINES:
         raise DoctorUsageError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "llamacpp":  # a GGUF engine: its own reader and checks
+        from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+
+        return diagnose_llamacpp(target, drafter)
     if engine_version is not None:
         try:
             vllm_facts.parse_version(engine_version)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from draftsmith.core.errors import DraftsmithError
 
 SEVERITIES = ("error", "warning", "info")
-ENGINES = ("vllm", "sglang", "draftsmith")
+ENGINES = ("vllm", "sglang", "draftsmith", "llamacpp")
 
 
 class DoctorUsageError(DraftsmithError, ValueError):
@@ -67,6 +67,8 @@ class DoctorReport:
         eng = self.engine
         if self.engine == "vllm":
             eng += f" {self.engine_version or '(not installed)'}: {self.engine_profile} facts, {self.engine_source}"
+        elif self.engine == "llamacpp":
+            eng += f" ({self.engine_version or 'xllamacpp not installed'}; facts checked against xllamacpp 2026.10)"
         lines.append(f"  engine {eng}")
         order = {s: i for i, s in enumerate(SEVERITIES)}
         for x in sorted(self.findings, key=lambda x: order[x.severity]):

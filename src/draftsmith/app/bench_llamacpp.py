@@ -1,0 +1,182 @@
+"""``bench --engine llamacpp``: the drafter measured in llama.cpp (xllamacpp), against llama.cpp plain and its n-gram.
+
+Same prompt sets and chat template as ``bench``: each prompt is rendered with the target's chat template and sent
+as token ids, and every method decodes it in turn (plain, EAGLE-3 at each k, n-gram lookup at each k), so machine
+noise hits them alike. Greedy only. Speed is the engine's decode rate (``predicted_n / predicted_ms``: prefill
+excluded, which every method pays alike); tau comes from the engine's counters (``draft_n_accepted`` over verify
+passes). Where EAGLE-3 does not pay, the profile splits its round: a verify pass of up to k+1 tokens (measured on the
+n-gram rounds, whose drafting costs ~nothing) and the drafter's share (the rest of an EAGLE-3 round).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.core.errors import UsageError
+from draftsmith.integrations.llamacpp import EngineRun, LlamaCppEngine
+
+
+@dataclass
+class EngineStats:
+    tokens: int = 0
+    ms: float = 0.0
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    compared: int = 0
+    identical: int = 0
+    rates: list[float] = field(default_factory=list)  # tok/s per request: the spread is the noise
+
+    def add(self, r: EngineRun) -> None:
+        self.tokens += r.completion_tokens
+        self.ms += r.predicted_ms
+        self.passes += r.verify_passes
+        self.drafted += r.draft_n
+        self.accepted += r.draft_n_accepted
+        self.rates.append(r.tokens_per_second)
+
+    def to_dict(self) -> dict:
+        tps = 1000.0 * self.tokens / self.ms if self.ms else 0.0
+        return {"tokens": self.tokens, "decode_ms": round(self.ms, 1), "tokens_per_second": round(tps, 2),
+                "acceptance_length": round(1 + self.accepted / self.passes, 3) if self.passes else 1.0,
+                "ms_per_pass": round(self.ms / self.passes, 2) if self.passes else 0.0,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "request_tok_s_min": round(min(self.rates), 2) if self.rates else 0.0,
+                "request_tok_s_median": round(statistics.median(self.rates), 2) if self.rates else 0.0,
+                "same_as_plain": f"{self.identical}/{self.compared}" if self.compared else "-"}
+
+
+def engine_methods(ks: Sequence[int], ngram_ks: Sequence[int]) -> list[tuple[str, str, int]]:
+    return ([("plain", "plain", 0)] + [(f"eagle3 k={k}", "eagle3", k) for k in ks]
+            + [(f"ngram k={k}", "ngram", k) for k in ngram_ks])
+
+
+def run_llamacpp_bench(target_gguf: str | Path, drafter_gguf: str | Path, tokenizer, prompt_sets: dict,
+                       ks: Sequence[int], ngram_ks: Sequence[int] = (3,), max_new_tokens: int = 128,
+                       threads: int = 1, progress: bool = True) -> dict:
+    """Decode every prompt with every method (interleaved); return a JSON-able report."""
+    if not ks:
+        raise UsageError("bench --engine llamacpp needs at least one --chain k")
+    methods = engine_methods(ks, ngram_ks)
+    engines = {name: LlamaCppEngine(target_gguf, mode, drafter=drafter_gguf if mode == "eagle3" else None,
+                                    k=max(k, 1), threads=threads) for name, mode, k in methods}
+    for e in engines.values():  # warm-up: first-call costs land on no method
+        e.complete(tokenizer("Hi")["input_ids"], 4)
+    report = {"engine": "llamacpp", "target": str(target_gguf), "drafter": str(drafter_gguf), "threads": threads,
+              "max_new_tokens": max_new_tokens, "results": []}
+    for dataset, prompts in prompt_sets.items():
+        stats = {name: EngineStats() for name, _, _ in methods}
+        for i, prompt in enumerate(prompts):
+            histories = {name: [] for name, _, _ in methods}
+            for turn, user in enumerate(prompt.turns):
+                plain_text = None
+                for name, _, _ in methods:
+                    msgs = histories[name] + [{"role": "user", "content": user}]
+                    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                    r = engines[name].complete(ids, max_new_tokens)
+                    stats[name].add(r)
+                    if name == "plain":
+                        plain_text = r.text
+                    elif turn == 0:
+                        stats[name].compared += 1
+                        stats[name].identical += r.text == plain_text
+                    histories[name] = msgs + [{"role": "assistant", "content": r.text}]
+            if progress:
+                print(f"llamacpp bench {dataset}: {i + 1}/{len(prompts)}", end="\r", flush=True)
+        rows = {name: s.to_dict() for name, s in stats.items()}
+        plain = rows["plain"]["tokens_per_second"]
+        for row in rows.values():
+            row["speedup"] = round(row["tokens_per_second"] / plain, 3) if plain else 0.0
+        report["results"].append({"dataset": dataset, "prompts": len(prompts), "methods": rows,
+                                  "profile": round_profile(rows, ks)})
+    return report
+
+
+def round_profile(rows: dict, ks: Sequence[int]) -> dict:
+    """Where an EAGLE-3 round's time goes, per k: target step (plain), verify pass, drafter (estimate)."""
+    plain_ms = rows["plain"]["ms_per_pass"]
+    out = {"plain_ms_per_token": plain_ms}
+    for k in ks:
+        e, g = rows.get(f"eagle3 k={k}"), rows.get(f"ngram k={k}")
+        if e is None:
+            continue
+        verify = g["ms_per_pass"] if g else None
+        out[f"k={k}"] = {"eagle3_ms_per_round": e["ms_per_pass"], "verify_ms_per_pass": verify,
+                         "drafter_ms_per_round": round(e["ms_per_pass"] - verify, 2) if verify else None,
+                         "break_even_tau": round(e["ms_per_pass"] / plain_ms, 2) if plain_ms else None,
+                         "tau": e["acceptance_length"]}
+    return out
+
+
+def format_llamacpp_table(report: dict) -> str:
+    lines = [f"llama.cpp (xllamacpp) on {report['target']}, {report['threads']} thread(s), greedy, "
+             f"{report['max_new_tokens']} new tokens"]
+    for res in report["results"]:
+        lines.append(f"{res['dataset']} ({res['prompts']} prompts)")
+        lines.append(f"  {'method':<12} {'tok/s':>7} {'min':>6} {'median':>7} {'speedup':>7} {'tau':>5} "
+                     f"{'ms/pass':>7} {'same':>6}")
+        for name, m in res["methods"].items():
+            lines.append(f"  {name:<12} {m['tokens_per_second']:7.1f} {m['request_tok_s_min']:6.1f} "
+                         f"{m['request_tok_s_median']:7.1f} {m['speedup']:6.2f}x {m['acceptance_length']:5.2f} "
+                         f"{m['ms_per_pass']:7.1f} {m['same_as_plain']:>6}")
+        p = res["profile"]
+        for key, v in p.items():
+            if key.startswith("k="):
+                lines.append(f"  profile {key}: round {v['eagle3_ms_per_round']} ms = verify "
+                             f"{v['verify_ms_per_pass']} ms + drafter ~{v['drafter_ms_per_round']} ms; one plain "
+                             f"step {p['plain_ms_per_token']} ms, so EAGLE-3 pays above tau {v['break_even_tau']} "
+                             f"(measured {v['tau']})")
+    return "\n".join(lines)
+
+
+def bench_llamacpp_command(args) -> int:
+    """The CLI's ``bench --engine llamacpp``: resolve the GGUFs and tokenizer, measure, write bench-llamacpp.json."""
+    import json
+    import sys
+    import tempfile
+
+    from draftsmith.app.args import parse_ints
+    from draftsmith.app.bench import check_bench_args
+    from draftsmith.integrations.llamacpp import available
+    from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2, smollm2_gguf_path
+
+    if not available():
+        raise UsageError("bench --engine llamacpp needs xllamacpp: pip install 'draftsmith[llamacpp]'")
+    ks = parse_ints(args.draft_max) or [args.chain or 3]
+    ngram_ks = [k for k in (parse_ints(args.prompt_lookup) or []) if k]
+    if any(k < 1 for k in ks) or args.threads < 1:
+        raise UsageError("--draft-max and --threads take numbers >= 1")
+    if args.temperature not in ("0", "0.0"):
+        raise UsageError("bench --engine llamacpp measures greedy decoding only (--temperature 0)")
+    if str(args.target) == EMBEDDED_DEFAULT:
+        target_gguf, tok_dir, tok_kw = smollm2_gguf_path(), ensure_smollm2(), {}
+    else:
+        target_gguf = Path(args.target).expanduser()
+        if not (target_gguf.is_file() and target_gguf.suffix == ".gguf"):
+            raise UsageError(f"{args.target}: bench --engine llamacpp needs the target's .gguf (or smollm2)")
+        tok_dir, tok_kw = target_gguf.parent, {"gguf_file": target_gguf.name}
+    prompt_sets = check_bench_args([d for d in args.datasets.split(",") if d], [0.0], limit=args.limit,
+                                   turns=args.turns, max_new_tokens=args.max_new_tokens, prompt_lookup_ks=ngram_ks)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, **tok_kw)
+    with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
+        drafter = Path(args.drafter)
+        if drafter.suffix != ".gguf":
+            from draftsmith.stages.export.gguf import export_gguf
+
+            drafter = export_gguf(drafter, Path(tmp) / "drafter.gguf", target=target_gguf, dtype="fp32").path
+        report = run_llamacpp_bench(target_gguf, drafter, tokenizer, prompt_sets, ks, ngram_ks,
+                                    args.max_new_tokens, args.threads, args.progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-llamacpp.json").write_text(json.dumps(report, indent=1))
+    table = format_llamacpp_table(report)
+    (out / "bench-llamacpp.txt").write_text(table + "\n")
+    print(table)
+    print(f"wrote {out / 'bench-llamacpp.json'}, {out / 'bench-llamacpp.txt'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,73 @@
+"""What llama.cpp's EAGLE-3 support reads and serves, checked against the engine users install.
+
+Checked against PyPI ``xllamacpp==2026.10.11549`` (a prebuilt CPU build of llama.cpp with EAGLE-3) and llama.cpp's
+``src/models/eagle3.cpp``:
+  * a drafter is a GGUF of architecture ``eagle3``; ``eagle3.target_layers`` (exactly 3 ids, else the load fails:
+    "EAGLE3 requires exactly 3 entries") and ``eagle3.target_hidden_size`` are required; ``eagle3.norm_before_residual``
+    is optional (default false). No other drafter switch is read: a drafter that needs one cannot be served.
+  * an aux id names the *input* of that target layer (Hugging Face ``hidden_states[id]``), as draftsmith and vLLM
+    count them; the target's graph must expose layer inputs, which only some architectures' graphs do. Any other
+    target loads, then aborts at the first decode (measured on a qwen2 GGUF: GGML_ASSERT "layer input tensor is
+    null", SIGABRT, the whole process).
+  * drafting is a chain (``speculative.draft.n_max`` tokens per round); no trees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+GGUF_ARCH = "eagle3"
+KEY_TARGET_LAYERS = "eagle3.target_layers"
+KEY_TARGET_LAYERS_EARLY = "eagle3.extract_layers"  # the same ids, as builds before the rename read them
+KEY_TARGET_HIDDEN_SIZE = "eagle3.target_hidden_size"
+KEY_NORM_BEFORE_RESIDUAL = "eagle3.norm_before_residual"
+N_AUX = 3
+
+# Target architectures (GGUF general.architecture) whose llama.cpp graph exposes layer inputs to EAGLE-3.
+TARGET_ARCHES = frozenset({"llama", "qwen3", "qwen3moe", "qwen35", "gemma4", "gpt-oss", "lfm2"})
+# Architectures users try that load but abort at the first decode (their graph extracts nothing).
+UNSUPPORTED_TARGET_ARCHES = frozenset({"qwen2", "gemma3", "phi3", "smollm3"})
+
+# Hugging Face model_type -> GGUF general.architecture, for targets known by their config.json.
+_HF_TO_GGUF = {
+    "llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5": "qwen35",
+    "qwen3_5_text": "qwen35", "gemma4": "gemma4", "gemma4_text": "gemma4", "gpt_oss": "gpt-oss", "lfm2": "lfm2",
+    "qwen2": "qwen2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
+}
+_HF_CLASS_TO_GGUF = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe", "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2",
+    "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+
+# Drafter config switches the engine reads, and EAGLE-3.1 ones it does not (a drafter trained with one of these on
+# would be served without it: wrong drafts, no error).
+READS_NORMS = ("norm_before_residual",)
+UNREAD_NORMS = ("norm_before_fc", "norm_output")
+
+
+def gguf_arch(model_type: str | None = None, architecture: str | None = None) -> str | None:
+    """The GGUF architecture name llama.cpp gives a target known by HF model_type or class name (None: unknown)."""
+    if model_type and model_type in _HF_TO_GGUF:
+        return _HF_TO_GGUF[model_type]
+    if architecture and architecture in _HF_CLASS_TO_GGUF:
+        return _HF_CLASS_TO_GGUF[architecture]
+    return model_type if model_type in TARGET_ARCHES | UNSUPPORTED_TARGET_ARCHES else None
+
+
+def target_supported(arch: str | None) -> bool | None:
+    """True when llama.cpp drafts for this GGUF architecture, False when it aborts, None when unknown."""
+    if arch is None:
+        return None
+    return arch in TARGET_ARCHES
+
+
+def engine_unread_norms(switches: dict) -> list[str]:
+    """The drafter switches that are on but that llama.cpp's EAGLE-3 graph never reads."""
+    return [name for name in UNREAD_NORMS if bool(switches.get(name))]
+
+
+def aux_ids_in_range(ids: Iterable[int], num_layers: int | None) -> bool:
+    ids = list(ids)
+    return num_layers is None or all(0 <= i < num_layers for i in ids)

@@ -1,0 +1,86 @@
+"""llama.cpp in-process through PyPI ``xllamacpp`` (a prebuilt CPU wheel): plain, EAGLE-3 and n-gram decoding.
+
+``xllamacpp.Server(CommonParams)`` runs llama-server's request loop without HTTP; ``handle_completions(dict)``
+answers like ``/v1/completions``. Prompts are token-id lists, so every mode sees the same tokens. The engine's own
+counters come back in ``timings``: ``predicted_n``/``predicted_ms`` (decode), ``prompt_ms`` (prefill) and, when a
+drafter ran, ``draft_n``/``draft_n_accepted``. Imports core only (nothing of draftsmith's models).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = ("plain", "eagle3", "ngram")
+NGRAM_KEY = 3  # tokens of context an n-gram lookup matches on
+
+
+def available() -> bool:
+    return importlib.util.find_spec("xllamacpp") is not None
+
+
+@dataclass
+class EngineRun:
+    """One greedy completion as llama.cpp reports it."""
+
+    text: str
+    completion_tokens: int
+    predicted_ms: float
+    prompt_ms: float
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+    @property
+    def verify_passes(self) -> int:
+        """Target passes after prefill: each emits its accepted drafts plus one token (the first comes from prefill)."""
+        return max(self.completion_tokens - 1 - self.draft_n_accepted, 1)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verify pass (draftsmith's and vLLM's tau), from the engine's own counters."""
+        return 1.0 + self.draft_n_accepted / self.verify_passes
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1000.0 * self.completion_tokens / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+
+class LlamaCppEngine:
+    """A llama.cpp server in this process for one target and one drafting mode (plain, eagle3, ngram)."""
+
+    def __init__(self, model: str | Path, mode: str = "plain", *, drafter: str | Path | None = None, k: int = 3,
+                 threads: int = 1, n_ctx: int = 2048):
+        import xllamacpp as x
+
+        if mode not in MODES:
+            raise ValueError(f"unknown llama.cpp mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode == "eagle3" and drafter is None:
+            raise ValueError("eagle3 mode needs a drafter GGUF")
+        p = x.CommonParams()
+        p.model.path = str(model)
+        p.n_ctx, p.n_parallel, p.warmup = n_ctx, 1, False
+        p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads
+        spec = p.speculative
+        if mode == "eagle3":
+            spec.types = [x.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3]
+            spec.draft.mparams.path = str(drafter)
+            spec.draft.n_max, spec.draft.n_min, spec.draft.p_min = k, 0, 0.0
+            spec.draft.cpuparams.n_threads = spec.draft.cpuparams_batch.n_threads = threads
+        elif mode == "ngram":  # llama.cpp's prompt lookup: match the last n tokens earlier in the context
+            spec.types = [x.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
+            # Its default 12-token key almost never recurs in chat; 3 is draftsmith's lookup's longest n-gram.
+            spec.ngram_simple.size_n, spec.ngram_simple.size_m, spec.ngram_simple.min_hits = NGRAM_KEY, k, 1
+        self.mode, self.k = mode, k
+        self.server = x.Server(p)
+
+    def complete(self, prompt_ids: list[int], n_predict: int) -> EngineRun:
+        """Greedy completion of ``prompt_ids`` (no prompt cache: every run pays its prefill)."""
+        r = self.server.handle_completions({"prompt": list(map(int, prompt_ids)), "n_predict": int(n_predict),
+                                            "temperature": 0.0, "top_k": 1, "cache_prompt": False})
+        if "choices" not in r:
+            raise RuntimeError(f"llama.cpp refused the request: {r.get('message') or r}")
+        t = r.get("timings", {})
+        return EngineRun(text=r["choices"][0]["text"], completion_tokens=int(r["usage"]["completion_tokens"]),
+                         predicted_ms=float(t.get("predicted_ms", 0.0)), prompt_ms=float(t.get("prompt_ms", 0.0)),
+                         draft_n=int(t.get("draft_n", 0)), draft_n_accepted=int(t.get("draft_n_accepted", 0)))

@@ -1,0 +1,274 @@
+"""Write a drafter as the EAGLE-3 GGUF llama.cpp loads (``--model-draft`` / ``speculative.draft.mparams.path``).
+
+The layout (checked against xllamacpp 2026.10.11549 and llama.cpp's ``src/models/eagle3.cpp``): architecture
+``eagle3``; keys ``eagle3.target_layers`` (3 aux ids, input-of-layer numbering), ``eagle3.target_hidden_size``,
+``eagle3.norm_before_residual``; tensors ``fc``, ``blk.0.attn_norm`` (embedding norm), ``blk.0.attn_norm_2`` (the
+hidden-state norm), ``blk.0.attn_{q,k,v}`` of input width 2H, ``blk.0.attn_output``, ``blk.0.ffn_{norm,gate,up,down}``,
+``output_norm``, ``output`` (the draft-vocabulary head) and ``d2t``: I64 *absolute* target ids, which the engine
+scatters the draft logits onto (draftsmith's ``d2t`` holds offsets). The token embedding is shared with the target
+unless the drafter has its own. q and k rows are permuted from Hugging Face's rotate-half order into the
+interleaved pairs llama.cpp's rope rotates. The draft GGUF carries the target's tokenizer: llama.cpp sizes the
+full-vocabulary logits it scatters into from the draft model's own vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftsmith import __version__
+from draftsmith.core import llamacpp_facts as facts
+from draftsmith.core.conventions import ConventionError, to_llamacpp_layer_ids
+from draftsmith.model.drafter import Eagle3Drafter
+from draftsmith.stages.export.checkpoint import DTYPES, DrafterCheckpoint, ExportError
+from draftsmith.stages.export.readers import read_checkpoint
+
+# draftsmith's canonical names -> llama.cpp's tensor names (the layer's are under blk.0.).
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "hidden_norm.weight": "attn_norm_2.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_NAMES = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+              "embed_tokens.weight": "token_embd.weight"}
+
+
+@dataclass
+class TargetGguf:
+    """What the export needs from the target's GGUF: its architecture, sizes, and tokenizer fields."""
+
+    path: Path
+    arch: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tokenizer_fields: list  # gguf ReaderField, copied verbatim into the draft
+
+
+@dataclass
+class GgufExportReport:
+    format: str
+    path: Path
+    tensors: list[str]
+    dtype: str
+    aux_layer_ids: list[int]  # draftsmith / vLLM / llama.cpp: input of target layer L
+    target_arch: str
+    target: str
+    draft_vocab_size: int
+
+    def summary(self) -> str:
+        return "\n".join([
+            f"exported gguf drafter to {self.path} ({len(self.tensors)} tensors, {self.dtype}, arch eagle3)",
+            f"aux layer ids: {self.aux_layer_ids} (input of layer L; llama.cpp's eagle3.target_layers)",
+            f"serve: {shlex.join(llama_server_argv(self.target, str(self.path)))}",
+        ])
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "path": str(self.path)}
+
+
+def llama_server_argv(target: str, drafter: str, k: int = 3) -> list[str]:
+    """llama.cpp's server command line for an EAGLE-3 drafter (chain of ``k`` draft tokens per round)."""
+    return ["llama-server", "-m", target, "--model-draft", drafter, "--spec-type", "draft-eagle3",
+            "--draft-max", str(k), "--draft-min", "0"]
+
+
+def read_target_gguf(target: str | Path) -> TargetGguf:
+    """The target GGUF's architecture, sizes and tokenizer; 'smollm2' names the embedded default's GGUF."""
+    from gguf import GGUFReader
+
+    from draftsmith.model.sources import EMBEDDED_DEFAULT, smollm2_gguf_path
+
+    path = smollm2_gguf_path() if str(target) == EMBEDDED_DEFAULT else Path(target).expanduser()
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) != 1:
+            raise ExportError(f"{target}: the gguf format needs the target's .gguf file (llama.cpp serves it and "
+                              "its tokenizer goes into the draft); found {len(found)} in that directory")
+        path = found[0]
+    if not path.is_file() or path.suffix != ".gguf":
+        raise ExportError(f"{target}: the gguf format needs the target's .gguf file (llama.cpp serves it and its "
+                          "tokenizer goes into the draft)")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ExportError(f"{path}: not a readable GGUF ({' '.join(str(e).split())})") from e
+
+    def get(key: str):
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    arch = str(get("general.architecture"))
+    tokens = get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ExportError(f"{path}: the GGUF has no tokenizer (tokenizer.ggml.tokens)")
+    return TargetGguf(
+        path=path, arch=arch, num_layers=int(get(f"{arch}.block_count") or 0),
+        hidden_size=int(get(f"{arch}.embedding_length") or 0), vocab_size=len(tokens),
+        tokenizer_fields=[f for name, f in reader.fields.items() if name.startswith("tokenizer.")])
+
+
+def check_servable(ckpt: DrafterCheckpoint, switches: dict, target: TargetGguf | None) -> list[int]:
+    """Refuse what llama.cpp cannot serve (one line each); return the aux ids as llama.cpp reads them."""
+    cfg = ckpt.config
+    unread = facts.engine_unread_norms(switches)
+    if unread:
+        raise ExportError(f"the drafter uses {', '.join(n + '=true' for n in unread)}, which llama.cpp's EAGLE-3 "
+                          "graph does not read (it would draft without them); train without them for llama.cpp")
+    if not ckpt.aux_known:
+        raise ExportError("the drafter does not say which target layers it reads; llama.cpp needs them "
+                          "(re-import it with --aux-layers)")
+    arch = target.arch if target is not None else facts.gguf_arch(
+        None, (cfg.target or {}).get("architecture"))
+    if facts.target_supported(arch) is False:
+        raise ExportError(f"llama.cpp serves EAGLE-3 only for targets of architecture "
+                          f"{', '.join(sorted(facts.TARGET_ARCHES))}; this target is {arch} (its graph exposes no "
+                          "layer inputs: it would abort at the first decode)")
+    try:
+        ids = to_llamacpp_layer_ids(cfg.aux_layer_ids, target.num_layers if target else None)
+    except ConventionError as e:
+        raise ExportError(str(e)) from e
+    if target is not None:
+        if target.hidden_size != cfg.target_hidden_size:
+            raise ExportError(f"{target.path}: hidden size {target.hidden_size}, the drafter was made for "
+                              f"{cfg.target_hidden_size}")
+        if target.vocab_size != cfg.vocab_size:
+            raise ExportError(f"{target.path}: vocabulary of {target.vocab_size} tokens, the drafter's is "
+                              f"{cfg.vocab_size}")
+    return ids
+
+
+def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a q/k projection from rotate-half order (x_i, x_{i+d/2}) to llama.cpp's interleaved pairs."""
+    out, width = w.shape
+    return w.reshape(n_head, 2, out // n_head // 2, width).transpose(1, 2).reshape(out, width)
+
+
+def gguf_tensors(ckpt: DrafterCheckpoint) -> dict[str, torch.Tensor]:
+    """Every tensor under its llama.cpp name, q/k permuted, d2t as absolute target ids (t2d is not read)."""
+    cfg = ckpt.config
+    out = {}
+    for name, t in ckpt.state.items():
+        if name in ("d2t", "t2d"):
+            continue
+        if name.startswith("layers.0."):
+            short = name.removeprefix("layers.0.")
+            if short == "self_attn.q_proj.weight":
+                t = permute_rope(t, cfg.num_attention_heads)
+            elif short == "self_attn.k_proj.weight":
+                t = permute_rope(t, cfg.num_key_value_heads)
+            out["blk.0." + _LAYER_NAMES[short]] = t
+        else:
+            out[_TOP_NAMES[name]] = t
+    if cfg.draft_vocab_size != cfg.vocab_size:  # no d2t: the engine scores the whole vocabulary directly
+        d2t = ckpt.state["d2t"].to(torch.int64)
+        out["d2t"] = torch.arange(d2t.numel(), dtype=torch.int64) + d2t
+    return out
+
+
+def _array(name: str, t: torch.Tensor, dtype: torch.dtype):
+    """(numpy array, raw GGML type or None): norms stay F32 (as llama.cpp's converters keep them)."""
+    from gguf import GGMLQuantizationType
+
+    if t.dtype == torch.int64:
+        return t.numpy(), None
+    if t.dim() == 1 or dtype == torch.float32:
+        return t.detach().float().numpy(), None
+    if dtype == torch.float16:
+        return t.detach().to(torch.float16).numpy(), None
+    return t.detach().to(torch.bfloat16).view(torch.int16).numpy(), GGMLQuantizationType.BF16
+
+
+def _setup(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path) -> tuple[DrafterCheckpoint, dict]:
+    """The checkpoint and the raw config switches (EAGLE-3.1 norms may live only in config.json)."""
+    switches: dict = {}
+    if isinstance(drafter, Eagle3Drafter):
+        ckpt = DrafterCheckpoint.from_drafter(drafter)
+    else:
+        ckpt = drafter if isinstance(drafter, DrafterCheckpoint) else read_checkpoint(drafter)
+        if isinstance(drafter, (str, Path)) and (Path(drafter) / "config.json").is_file():
+            try:
+                switches = json.loads((Path(drafter) / "config.json").read_text())
+            except (OSError, ValueError):
+                switches = {}
+        ckpt.build()  # validate shapes and d2t before writing anything
+    for name in (*facts.READS_NORMS, *facts.UNREAD_NORMS):
+        if getattr(ckpt.config, name, None):
+            switches[name] = True
+    return ckpt, switches
+
+
+def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: str | Path, *,
+                target: str | Path, dtype: str = "bf16", overwrite: bool = False) -> GgufExportReport:
+    """Write ``drafter`` as one EAGLE-3 GGUF file for llama.cpp; ``target`` is the target's GGUF (or 'smollm2')."""
+    from gguf import GGUFWriter
+
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    ckpt, switches = _setup(drafter)
+    tgt = read_target_gguf(target)
+    ids = check_servable(ckpt, switches, tgt)
+    out = Path(out)
+    if out.is_dir() or out.suffix != ".gguf":
+        out = out / "drafter.gguf"
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out}: exists (pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = ckpt.config
+    tensors = gguf_tensors(ckpt)
+    tmp = out.with_name(f".{out.name}.tmp")
+    w = GGUFWriter(tmp, facts.GGUF_ARCH)
+    w.add_name("draftsmith EAGLE-3 drafter")
+    w.add_string("general.source.draftsmith_version", __version__)
+    w.add_block_count(1)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_array(facts.KEY_TARGET_LAYERS, ids)
+    w.add_array(facts.KEY_TARGET_LAYERS_EARLY, ids)  # ignored by current builds, read by early ones
+    w.add_uint32(facts.KEY_TARGET_HIDDEN_SIZE, cfg.target_hidden_size)
+    w.add_bool(facts.KEY_NORM_BEFORE_RESIDUAL, bool(switches.get("norm_before_residual")))
+    for field in tgt.tokenizer_fields:
+        copy_field(w, field)
+    for name, t in tensors.items():
+        arr, raw = _array(name, t, DTYPES[dtype])
+        w.add_tensor(name, arr, raw_dtype=raw)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+    os.replace(tmp, out)
+    return GgufExportReport(format="gguf", path=out, tensors=sorted(tensors), dtype=dtype, aux_layer_ids=ids,
+                            target_arch=tgt.arch, target=str(tgt.path), draft_vocab_size=cfg.draft_vocab_size)
+
+
+def copy_field(w, field, name: str | None = None) -> None:
+    """Copy one key of another GGUF verbatim (type included), under ``name`` when given."""
+    from gguf import GGUFValueType
+
+    main = field.types[0]
+    sub = {"sub_type": field.types[-1]} if main == GGUFValueType.ARRAY else {}
+    w.add_key_value(name or field.name, field.contents(), main, **sub)

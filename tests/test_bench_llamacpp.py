@@ -1,0 +1,42 @@
+"""`bench --engine llamacpp`: its report arithmetic (fast, no engine) and its refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from draftsmith.app.bench_llamacpp import EngineStats, format_llamacpp_table, round_profile
+from draftsmith.integrations.llamacpp import EngineRun
+
+
+def test_engine_run_tau_counts_verify_passes():
+    # 33 tokens: 1 from prefill, then 32 from passes; 20 drafted tokens accepted -> 12 passes, tau 1 + 20/12
+    r = EngineRun(text="", completion_tokens=33, predicted_ms=1000.0, prompt_ms=10.0, draft_n=36, draft_n_accepted=20)
+    assert r.verify_passes == 12
+    assert r.acceptance_length == pytest.approx(1 + 20 / 12)
+    assert r.tokens_per_second == pytest.approx(33.0)
+
+
+def test_profile_splits_a_round_and_says_when_it_pays():
+    plain, eagle, ngram = EngineStats(), EngineStats(), EngineStats()
+    plain.add(EngineRun("", 11, 100.0, 1.0))  # 10 ms per pass
+    eagle.add(EngineRun("", 11, 60.0, 1.0, draft_n=12, draft_n_accepted=6))  # 4 passes, 15 ms each
+    ngram.add(EngineRun("", 11, 96.0, 1.0, draft_n=3, draft_n_accepted=2))  # 8 passes, 12 ms each
+    rows = {"plain": plain.to_dict(), "eagle3 k=3": eagle.to_dict(), "ngram k=3": ngram.to_dict()}
+    p = round_profile(rows, [3])["k=3"]
+    assert p["verify_ms_per_pass"] == 12.0 and p["drafter_ms_per_round"] == 3.0
+    assert p["break_even_tau"] == 1.5 and p["tau"] == 2.5
+    for row in rows.values():
+        row["speedup"] = 1.0
+    report = {"target": "t.gguf", "threads": 1, "max_new_tokens": 10,
+              "results": [{"dataset": "d", "prompts": 1, "methods": rows, "profile": round_profile(rows, [3])}]}
+    assert "pays above tau 1.5 (measured 2.5)" in format_llamacpp_table(report)
+
+
+def test_bench_llamacpp_refuses_sampling():
+    pytest.importorskip("xllamacpp")
+    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "bench", "--engine", "llamacpp", "--drafter", "d",
+                          "--temperature", "1"], capture_output=True, text=True)
+    assert run.returncode == 2 and "greedy" in run.stderr and "Traceback" not in run.stderr

