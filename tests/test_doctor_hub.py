@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -120,6 +121,20 @@ def test_cached_metadata_only_pair_exits_0_with_weights_not_checked(cached_pair,
     report = json.loads(out)
     assert code == 0 and report["findings"] == [] and len(report["notes"]) == 2, report
     assert report["facts"]["layers_path"] == "model.layers"  # checked fully: the decoder was found
+
+
+def test_metadata_only_doctor_never_imports_torch(cached_pair, offline):
+    """What keeps a hub check to about a second: no torch (its import alone costs seconds) when no weights are read."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from draftsmith.cli import main; "
+            "rc = main(['doctor', '--target', 'org/target', '--drafter', 'org/drafter', '--engine-version', '0.32']); "
+            "print('TORCH', 'torch' in sys.modules); sys.exit(rc)")
+    env = {**os.environ, "HF_HUB_CACHE": str(offline), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "TORCH False" in done.stdout, done.stdout
 
 
 def test_revision_and_real_files_in_the_snapshot(cached_pair, capsys):

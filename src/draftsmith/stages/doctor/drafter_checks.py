@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from draftsmith.core import vllm_facts
 from draftsmith.core.conventions import OPTIONAL_WEIGHTS, REQUIRED_WEIGHTS, is_norm_weight, layer_param_shapes
+from draftsmith.core.layouts import LLAMA_EAGLE3_ARCHITECTURES
 from draftsmith.core.tensorfile import TensorInfo, read_small_tensor
 from draftsmith.stages.doctor.report import Findings
 from draftsmith.stages.doctor.state import DrafterFiles, EngineFacts, TargetFiles
@@ -74,8 +75,6 @@ def check_drafter_config(out: Findings, engine: EngineFacts, t: TargetFiles, d: 
 
 
 def _check_drafter_architecture(out: Findings, engine: EngineFacts, d: DrafterFiles, arch: str | None) -> None:
-    from draftsmith.stages.export import LLAMA_EAGLE3_ARCHITECTURES
-
     where = "drafter config.json: architectures[0]"
     if d.format == "speculators":
         mt = (d.raw.get("transformer_layer_config") or {}).get("model_type", "llama")
@@ -180,12 +179,12 @@ def _check_shapes(out: Findings, d: DrafterFiles) -> None:
 
 def check_vocab_mapping(out: Findings, engine: EngineFacts, t: TargetFiles, d: DrafterFiles) -> None:
     """d2t/t2d describe a valid draft vocabulary, in the form the engine loads."""
+    if d.weights is None or d.remote or not isinstance(d.draft_vocab, int):
+        return  # before torch's import: a metadata-only check needs none
     import torch
 
     from draftsmith.core import vocab as vocab_mod
 
-    if d.weights is None or d.remote or not isinstance(d.draft_vocab, int):
-        return
     tv = t.vocab_size if isinstance(t.vocab_size, int) else d.vocab
     d2t = t2d = None
     where = d.weights_file

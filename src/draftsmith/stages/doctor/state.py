@@ -13,6 +13,7 @@ from pathlib import Path
 
 from draftsmith.core import vllm_facts
 from draftsmith.core.conventions import NORM_SWITCHES, canonical_weight_name
+from draftsmith.core.layouts import detect_layout
 from draftsmith.core.pysource import VllmSource
 from draftsmith.core.tensorfile import TensorInfo, read_checkpoint_headers
 from draftsmith.stages.doctor.hfsource import HFSource
@@ -184,8 +185,6 @@ def load_drafter(out: Findings, path: Path, hub: HubModel | None = None) -> Draf
     ``hub``: the directory is that hub snapshot; weights absent from it are read from the hub's headers when those
     were fetched, else noted as not checked (a metadata-only download), not reported as unreadable.
     """
-    from draftsmith.stages.export import detect_format
-
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -193,7 +192,7 @@ def load_drafter(out: Findings, path: Path, hub: HubModel | None = None) -> Draf
                 str(path / "config.json"), "re-export the drafter")
         return None
     try:
-        fmt = detect_format(path)
+        fmt = detect_layout(path, raw)
     except Exception:  # noqa: BLE001 (an unreadable layout is reported by the checks)
         fmt = "unknown"
     if fmt == "speculators":

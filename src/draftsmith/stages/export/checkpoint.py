@@ -9,23 +9,19 @@ import torch
 
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import ConventionError
+from draftsmith.core.layouts import (  # noqa: F401 (re-exported)
+    EXPORT_FORMATS,
+    IMPORT_FORMATS,
+    LLAMA_EAGLE3_ARCHITECTURES,
+    MANIFEST_FILE,
+    SGLANG_ARCHITECTURE,
+    SPECULATORS_ARCHITECTURE,
+    VLLM_ARCHITECTURE,
+)
 from draftsmith.model.drafter import DrafterConfig, Eagle3Drafter
 
-EXPORT_FORMATS = ("sglang", "vllm", "speculators")
-IMPORT_FORMATS = ("eagle", "sglang", "vllm", "speculators", "draftsmith")
-MANIFEST_FILE = "draftsmith-export.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
-VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
-# Architectures vLLM 0.32's registry maps onto llama_eagle3.Eagle3LlamaForCausalLM (parallel-drafting PEagle
-# variants excluded: they need a mask_hidden tensor draftsmith's drafter has no use for), plus the plain Llama
-# name EAGLEConfig prefixes with "Eagle3".
-LLAMA_EAGLE3_ARCHITECTURES = {
-    SGLANG_ARCHITECTURE, VLLM_ARCHITECTURE, SPECULATORS_ARCHITECTURE, "LlamaForCausalLM",
-    "Eagle3MiniMaxM2ForCausalLM", "Eagle3Qwen2_5vlForCausalLM", "Eagle3Qwen3vlForCausalLM",
-}
 # Config switches of EAGLE-3 variants whose computation draftsmith's drafter does not implement. (The EAGLE-3.1
 # norms, core.conventions.NORM_SWITCHES, it does.)
 _UNSUPPORTED_SWITCHES = ("attention_bias", "mlp_bias", "bias")

@@ -12,7 +12,6 @@ import torch
 
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import (
-    MIDLAYER_PREFIX,
     NORM_SWITCHES,
     REQUIRED_WEIGHTS,
     canonical_weight_name,
@@ -22,11 +21,12 @@ from draftsmith.core.conventions import (
     norm_switches,
     to_sglang_layer_ids,
 )
+from draftsmith.core.errors import one_line
+from draftsmith.core.layouts import detect_layout
 from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig
-from draftsmith.model.target import corrupt_weights_named
+from draftsmith.model.target import CorruptWeightsError, corrupt_weights_named
 from draftsmith.stages.export.checkpoint import (
     _UNSUPPORTED_SWITCHES,
-    EXPORT_FORMATS,
     IMPORT_FORMATS,
     LLAMA_EAGLE3_ARCHITECTURES,
     MANIFEST_FILE,
@@ -95,30 +95,14 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def detect_format(path: str | Path) -> str:
-    """Which layout a drafter directory is in: one of ``IMPORT_FORMATS``."""
+    """Which layout a drafter directory is in: one of ``IMPORT_FORMATS`` (core/layouts.py decides)."""
     path = Path(path)
     raw = _read_config(path)
-    manifest = path / MANIFEST_FILE
-    if manifest.is_file():
-        try:
-            fmt = json.loads(manifest.read_text()).get("format")
-        except (OSError, json.JSONDecodeError):
-            fmt = None
-        if fmt in EXPORT_FORMATS:
-            return fmt
-    if "speculators_config" in raw or "speculators_model_type" in raw:
-        return "speculators"
-    if "draftsmith" in raw:
-        return "draftsmith"
-    if any(str(a).startswith("Eagle3") for a in raw.get("architectures") or []):
-        return "vllm"
-    if "eagle_config" in raw:
-        return "sglang"
-    if any(k.startswith(MIDLAYER_PREFIX) for k in _weight_names(path)):
-        return "eagle"
-    if "eagle_aux_hidden_state_layer_ids" in raw:
-        return "vllm"
-    return "eagle"
+    try:
+        return detect_layout(path, raw)
+    except ValueError as e:  # a weights header that does not parse
+        raise CorruptWeightsError(f"{path / WEIGHTS_FILE}: not a valid safetensors file (truncated or corrupt): "
+                                  f"{one_line(e)}") from e
 
 
 def read_checkpoint(path: str | Path, fmt: str = "auto", *, aux_layers=None,
@@ -264,19 +248,6 @@ def _aux_ids(flat: dict, path: Path, notes: list[str]) -> list[int]:
             f"{top} (vLLM reads these as input of layer L) and eagle_config's {to_sglang_layer_ids(nested)} (SGLang "
             f"adds one: {nested}). Pass the ones the drafter was trained on (--aux-layers, input-of-layer ids)")
     return top or nested or []
-
-
-def _weight_names(path: Path) -> list[str]:
-    from safetensors import safe_open
-
-    f = path / WEIGHTS_FILE
-    if f.is_file():
-        with corrupt_weights_named(f), safe_open(str(f), framework="pt") as h:
-            return list(h.keys())  # noqa: SIM118 (safe_open has no __iter__)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
-    return []
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
