@@ -133,6 +133,21 @@ def format_llamacpp_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def llamacpp_target(target: str | Path) -> Path:
+    """The target's .gguf that llama.cpp loads: the embedded default's, or a .gguf file; else a one-line refusal."""
+    from draftsmith.model.sources import EMBEDDED_DEFAULT, smollm2_gguf_path
+
+    if str(target) == EMBEDDED_DEFAULT:
+        try:
+            return smollm2_gguf_path()
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+    path = Path(target).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise UsageError(f"{target}: bench --engine llamacpp needs the target's .gguf (or smollm2)")
+    return path
+
+
 def bench_llamacpp_command(args) -> int:
     """The CLI's ``bench --engine llamacpp``: resolve the GGUFs and tokenizer, measure, write bench-llamacpp.json."""
     import json
@@ -142,7 +157,7 @@ def bench_llamacpp_command(args) -> int:
     from draftsmith.app.args import parse_ints
     from draftsmith.app.bench import check_bench_args
     from draftsmith.integrations.llamacpp import available
-    from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2, smollm2_gguf_path
+    from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2
 
     if not available():
         raise UsageError("bench --engine llamacpp needs xllamacpp: pip install 'draftsmith[llamacpp]'")
@@ -152,12 +167,10 @@ def bench_llamacpp_command(args) -> int:
         raise UsageError("--draft-max and --threads take numbers >= 1")
     if args.temperature not in ("0", "0.0"):
         raise UsageError("bench --engine llamacpp measures greedy decoding only (--temperature 0)")
+    target_gguf = llamacpp_target(args.target)
     if str(args.target) == EMBEDDED_DEFAULT:
-        target_gguf, tok_dir, tok_kw = smollm2_gguf_path(), ensure_smollm2(), {}
+        tok_dir, tok_kw = ensure_smollm2(), {}
     else:
-        target_gguf = Path(args.target).expanduser()
-        if not (target_gguf.is_file() and target_gguf.suffix == ".gguf"):
-            raise UsageError(f"{args.target}: bench --engine llamacpp needs the target's .gguf (or smollm2)")
         tok_dir, tok_kw = target_gguf.parent, {"gguf_file": target_gguf.name}
     prompt_sets = check_bench_args([d for d in args.datasets.split(",") if d], [0.0], limit=args.limit,
                                    turns=args.turns, max_new_tokens=args.max_new_tokens, prompt_lookup_ks=ngram_ks)

@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optional: generate self-prompted data with vLLM's engine run by this Python and print a serve "
                         "line that runs on it (e.g. .venv-vllm/bin/python; `make demo` passes it when `make vllm-env` "
                         "made it); default: the in-process backend, several times slower")
+    p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false",
+                   help="skip the llama.cpp bench that follows the bench where xllamacpp is installed")
     add_progress_arg(p)
     add_json_arg(p)
     add_config_flags(sub)
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--minutes must be >= 0 (0: no budget), not {args.minutes:g}")
             extra = {} if args.minutes is None else {"minutes": args.minutes or None}
             result = run_demo(args.preset, args.workdir, target=args.target, progress=args.progress,
-                              vllm_python=args.vllm_python, device=args.device, **extra)
+                              vllm_python=args.vllm_python, device=args.device, llamacpp=args.llamacpp, **extra)
             if args.json:
                 print(json.dumps(result))
             return 0

@@ -7,6 +7,7 @@ Stages (each reads the previous stage's files and resumes when rerun):
   3. train     EAGLE-3 drafter with training-time test                          -> run/ (best/, plots)
   4. export    the vLLM layout                                                  -> export/vllm/
   5. bench     plain vs EAGLE-3 (chain, tree, the shape that pays) vs lookup   -> bench/
+               and, when xllamacpp is installed, in llama.cpp too               -> bench-llamacpp/
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from draftsmith.app.demo_budget import (
     train_minutes,
     verified_per_method,
 )
-from draftsmith.app.demo_summary import print_summary, verdict
+from draftsmith.app.demo_llamacpp import read_llamacpp_report, run_llamacpp_stage
+from draftsmith.app.demo_summary import llamacpp_numbers, print_summary, verdict
 from draftsmith.core.errors import UsageError
 from draftsmith.stages.verify_cost import VerifyCost
 
@@ -143,11 +145,13 @@ def _stage(name: str) -> float:
 
 
 def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target: str | None = None,
-             progress: bool = True, vllm_python: str | None = None, device: str = "auto", **overrides) -> dict:
+             progress: bool = True, vllm_python: str | None = None, device: str = "auto", llamacpp: bool = True,
+             **overrides) -> dict:
     """Run (or resume) the whole pipeline; returns the summary that is also written to summary.json.
 
     ``vllm_python``: a Python with vLLM; generation then runs on vLLM's engine (the local backend otherwise).
     Nothing else needs it: without it the printed serve line says to run `make vllm-env` first.
+    ``llamacpp``: after the bench, measure the drafter in llama.cpp too, where xllamacpp is installed.
     ``device``: where every stage runs (``core.device.resolve_device``: auto is CUDA when present).
     """
     import torch
@@ -266,6 +270,13 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     report, paths = bench_in_fresh_process(target_path, bench_dtype, run_dir / "best", p_bench, work / "bench",
                                            progress, conversations, device)
     times["bench"] = time.perf_counter() - t
+    t = time.perf_counter()
+    llama = run_llamacpp_stage(target_path, run_dir / "best", p.bench_datasets, p_bench.bench_limit,
+                               p_bench.bench_tokens, p.chain, work, torch.get_num_threads(), progress, llamacpp)
+    if llama is not None:
+        llama_report = read_llamacpp_report(llama)
+        llama.update(llamacpp_numbers(llama_report, p.chain) if llama_report else {})
+        times["llamacpp"] = time.perf_counter() - t
 
     best_eval = json.loads((run_dir / "best" / "eval.json").read_text()) if (run_dir / "best" / "eval.json").is_file() \
         else {}
@@ -283,6 +294,7 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
         "bench_files": {k: str(v) for k, v in paths.items()},
         "vllm_serve": serve_command(target_path, export_dir, p.chain, vllm_python),
         "vllm_env": vllm_python is not None,
+        "llamacpp": llama,
         "seconds": {**times.session, "total": time.perf_counter() - t0},
         "seconds_all_sessions": times.all_sessions(_trained_seconds(run_dir)),
         "torch_threads": torch.get_num_threads(),

@@ -229,6 +229,49 @@ def use_lines(result: dict, v: dict) -> list[str]:
     return lines
 
 
+def llamacpp_numbers(report: dict, k: int) -> dict:
+    """The llama.cpp bench's headline at chain ``k``: each method's tok/s (mean over the datasets), EAGLE-3's tau,
+    speedup over plain and break-even tau (the profile's), and whether it pays (over plain by PAYS_OVER)."""
+    rows = [res["methods"] for res in report.get("results", [])]
+    eagle, ngram = f"eagle3 k={k}", f"ngram k={k}"
+
+    def mean(name: str, key: str) -> float | None:
+        vals = [float(r[name][key]) for r in rows if name in r and r[name].get(key) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    evens = [float(p[f"k={k}"]["break_even_tau"]) for res in report.get("results", [])
+             if (p := res.get("profile") or {}).get(f"k={k}", {}).get("break_even_tau") is not None]
+    speedup = mean(eagle, "speedup")
+    return {"plain_tok_s": mean("plain", "tokens_per_second"), "eagle3_tok_s": mean(eagle, "tokens_per_second"),
+            "tau": mean(eagle, "acceptance_length"), "ngram_tok_s": mean(ngram, "tokens_per_second"),
+            "eagle3_speedup": speedup, "break_even_tau": statistics.fmean(evens) if evens else None,
+            "pays": speedup is not None and speedup > PAYS_OVER}
+
+
+def llamacpp_lines(outcome: dict | None) -> list[str]:
+    """The llama.cpp line (plain, EAGLE-3 at the chain k, n-gram: pays or not) and its GGUF export command;
+    nothing where llama.cpp was not asked for or not installed."""
+    if not outcome:
+        return []
+    head = "llama.cpp (CPU engine users run): "
+    export = [f"  export for llama.cpp (--model-draft): {outcome['export_command']}"] \
+        if outcome.get("export_command") else []
+    if "skipped" in outcome or outcome.get("eagle3_tok_s") is None:
+        return [head + "not measured: " + outcome.get("skipped", "its report holds no EAGLE-3 row"), *export]
+    k, n = outcome["k"], outcome
+    fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+    if n["pays"]:
+        why = f"pays here ({n['eagle3_speedup']:.2f}x plain" + (
+            "; n-gram lookup is faster, with no drafter)" if (n["ngram_tok_s"] or 0) > n["eagle3_tok_s"] else ")")
+    else:
+        why = f"does not pay here ({n['eagle3_speedup']:.2f}x plain" + (
+            f"; a round costs {n['break_even_tau']:.2f} plain steps, so it pays above tau {n['break_even_tau']:.2f})"
+            if n.get("break_even_tau") else ")")
+    line = (f"{head}plain {fmt(n['plain_tok_s'])} tok/s, EAGLE-3 k={k} {fmt(n['eagle3_tok_s'])} tok/s "
+            f"(tau {n['tau']:.2f}), n-gram {fmt(n['ngram_tok_s'])} tok/s — {why}")
+    return [line, *export]
+
+
 def summary_text(result: dict, report: dict, table: str) -> str:
     """The demo's closing text: the verdict first, then the bench table, then how to use the drafter."""
     v = result.get("verdict") or verdict(report)
@@ -236,6 +279,7 @@ def summary_text(result: dict, report: dict, table: str) -> str:
     if result.get("simulated_acceptance_length"):
         lines.append(f"simulated acceptance length at training time: {result['simulated_acceptance_length']:.2f}")
     lines += use_lines(result, v)
+    lines += llamacpp_lines(result.get("llamacpp"))
     every = result["seconds_all_sessions"]
     earlier = (f" ({every['total'] / 60:.1f} over the workdir's {every['sessions']} sessions)"
                if every["sessions"] > 1 else "")
