@@ -410,6 +410,8 @@ class _Run:
             return self._bump("template_error", line, sid, f"chat template error: {_bare_reason(e)}")
         except ValueError as e:
             return self._bump("invalid", line, sid, _bare_reason(e))
+        except TypeError as e:  # what a fast tokenizer raises for text it cannot take
+            return self._bump("invalid", line, sid, f"the tokenizer cannot encode it ({one_line(e)})")
         if max(tok.input_ids) >= self.vocab_size:
             return self._bump("invalid", line, sid, f"token id {max(tok.input_ids)} outside the target's "
                               f"vocabulary of {self.vocab_size}")

@@ -1,0 +1,180 @@
+"""Issue 44 (hardening, round two): inputs that parse but cannot work end in one line, exit 2, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.cli import main
+from draftsmith.testing.models import save_tiny_target, tiny_chat_corpus
+
+
+def _write_convs(path: Path, n: int, extra: list[str] = ()) -> Path:
+    lines = [json.dumps({"id": f"c{i:03d}", "messages": m}) for i, m in enumerate(tiny_chat_corpus(n))]
+    path.write_text("\n".join([*lines, *extra]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny target, a few conversations and a small store captured from them."""
+    root = tmp_path_factory.mktemp("hardening2")
+    target = save_tiny_target(root / "target")
+    convs = _write_convs(root / "convs.jsonl", 16)
+    store = root / "store"
+    assert main(["capture", "--target", str(target), "--conversations", str(convs), "--out", str(store),
+                 "--max-length", "128", "--shard-mb", "0.02", "--draft-vocab-size", "64", "--no-progress"]) == 0
+    return {"root": root, "target": target, "convs": convs, "store": store}
+
+
+def _err(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "Loading weights" not in ln]
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    err = _err(capsys)
+    assert len(err) == 1 and err[0].startswith("draftsmith: error:"), err
+    for n in needles:
+        assert n in err[0], err
+    return err[0]
+
+
+def _capture(ws, conv: Path, out: Path, *extra: str) -> int:
+    return main(["capture", "--target", str(ws["target"]), "--conversations", str(conv), "--out", str(out),
+                 "--no-progress", "--draft-vocab-size", "0", *extra])
+
+
+def _train_args(ws, out: Path, *extra: str) -> list[str]:
+    return ["train", "--target", str(ws["target"]), "--store", str(ws["store"]), "--out", str(out),
+            "--max-steps", "4", "--batch-tokens", "256", "--ttt-steps", "2", "--save-every", "2",
+            "--eval-every", "100", "--no-progress", "--no-plot", *extra]
+
+
+# --- 1: a line the tokenizer cannot encode is an invalid line ------------------------------------------------
+def test_capture_lone_surrogate_is_an_invalid_line(ws, tmp_path, capsys):
+    bad = '{"id": "sur", "messages": [{"role": "user", "content": "half \\ud800 an emoji"}, ' \
+          '{"role": "assistant", "content": "ok"}]}'
+    conv = _write_convs(tmp_path / "c.jsonl", 3, [bad])
+    out = tmp_path / "s"
+    assert _capture(ws, conv, out) == 0
+    assert "records 4 = captured 3 + invalid 1" in capsys.readouterr().out
+    rows = [json.loads(ln) for ln in (tmp_path / "s.errors.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["line"] == 4 and "U+D800" in rows[0]["reason"], rows
+
+
+def test_generate_lone_surrogate_reason_is_ours(ws, tmp_path, capsys):
+    bad = '{"id": "sur", "messages": [{"role": "user", "content": "half \\ud800 an emoji"}]}'
+    conv = _write_convs(tmp_path / "c.jsonl", 1, [bad])
+    out = tmp_path / "g.jsonl"
+    main(["generate", "--input", str(conv), "--target", str(ws["target"]), "--out", str(out),
+          "--max-new-tokens", "2", "--no-progress"])
+    rows = [json.loads(ln) for ln in Path(str(out) + ".errors.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and "U+D800" in rows[0]["reason"] and "TextEncodeInput" not in rows[0]["reason"], rows
+
+
+# --- 10: nesting too deep for the JSON parser is an invalid line --------------------------------------------
+def test_capture_deeply_nested_line_is_invalid(ws, tmp_path, capsys):
+    deep = '{"id": "deep", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    conv = _write_convs(tmp_path / "c.jsonl", 2, [deep])
+    assert _capture(ws, conv, tmp_path / "s") == 0
+    rows = [json.loads(ln) for ln in (tmp_path / "s.errors.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["line"] == 3 and "nested too deeply" in rows[0]["reason"], rows
+
+
+# --- 2: a kill during the first checkpoint save -------------------------------------------------------------
+def test_resume_without_latest_uses_the_newest_complete_step(ws, tmp_path, capsys):
+    assert main(_train_args(ws, tmp_path / "a")) == 0
+    out = tmp_path / "b"
+    assert main(_train_args(ws, out, "--stop-at-step", "2")) == 0
+    (out / "checkpoints" / "latest").unlink()  # killed after renaming step-2 into place, before `latest`
+    capsys.readouterr()
+    assert main(_train_args(ws, out)) == 2  # a complete checkpoint is a run: the fresh start is refused ...
+    _one_line(capsys, "--resume")
+    assert main(_train_args(ws, out, "--resume")) == 0  # ... and --resume continues it
+    a, b = load_file(tmp_path / "a" / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kill_before_the_first_checkpoint_starts_fresh(ws, tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(_train_args(ws, out, "--stop-at-step", "2", "--log-every", "1")) == 0
+    ckpts = out / "checkpoints"
+    (ckpts / "latest").unlink()
+    os.replace(ckpts / "step-0000002", ckpts / ".tmp-step-0000002")  # killed mid-save: only the temp dir
+    assert main(_train_args(ws, out, "--log-every", "1")) == 0
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r and not r.get("eval")]
+    assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # the killed run's rows went with it
+
+
+# --- 13: checkpoints/latest stays inside the run directory --------------------------------------------------
+def test_latest_pointing_outside_the_run_is_refused(ws, tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(_train_args(ws, out, "--stop-at-step", "2")) == 0
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(out / "checkpoints" / "step-0000002", outside)
+    (out / "checkpoints" / "latest").write_text("../../elsewhere")
+    capsys.readouterr()
+    assert main(_train_args(ws, out, "--resume")) == 2
+    _one_line(capsys, "latest", "not a step-NNNNNNN directory")
+
+
+# --- 10/15: a run config.json that parses but is not a run config -------------------------------------------
+@pytest.mark.parametrize("text, needle", [("[1, 2]", "JSON list"), ('{"ttt_steps": 2, "bogus": 1}', "bogus"),
+                                          ('{"ttt_steps": ', "not valid JSON"), (b"\xff\xfe{", "not valid JSON")])
+def test_resume_with_a_bad_run_config(ws, tmp_path, capsys, text, needle):
+    out = tmp_path / "b"
+    assert main(_train_args(ws, out, "--stop-at-step", "2")) == 0
+    cfg = out / "config.json"
+    cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
+    capsys.readouterr()
+    assert main(_train_args(ws, out, "--resume")) == 2
+    _one_line(capsys, str(cfg), needle)
+
+
+# --- 3 / 7 / 14: train input paths are checked before --out is created or locked ----------------------------
+@pytest.mark.parametrize("kind", ["missing", "dir"])
+def test_train_vocab_missing_or_a_directory(ws, tmp_path, capsys, kind):
+    vocab = tmp_path / "v.safetensors"
+    if kind == "dir":
+        vocab.mkdir()
+    out = tmp_path / "run"
+    assert main(_train_args(ws, out, "--vocab", str(vocab))) == 2
+    _one_line(capsys, "--vocab", str(vocab))
+    assert not out.exists()
+
+
+def test_train_conversations_fifo_refused(ws, tmp_path, capsys):
+    fifo = tmp_path / "convs.fifo"
+    os.mkfifo(fifo)
+    out = tmp_path / "run"
+    args = ["train", "--target", str(ws["target"]), "--conversations", str(fifo), "--out", str(out),
+            "--no-progress", "--no-plot"]
+    assert main(args) == 2
+    _one_line(capsys, str(fifo), "not a regular file")
+    assert not out.exists()
+
+
+def test_failed_train_leaves_no_lock_behind(ws, tmp_path, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(ws["store"], store)
+    shard = next(store.glob("shard-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-7])  # fails the sha256 check after the lock was taken
+    out = tmp_path / "run"
+    args = _train_args(ws, out)
+    args[args.index("--store") + 1] = str(store)
+    assert main(args) == 2
+    assert len(_err(capsys)) == 1
+    assert not out.exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    args[args.index("--out") + 1] = str(existing)
+    assert main(args) == 2
+    assert list(existing.iterdir()) == []
