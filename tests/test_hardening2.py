@@ -178,3 +178,101 @@ def test_failed_train_leaves_no_lock_behind(ws, tmp_path, capsys):
     args[args.index("--out") + 1] = str(existing)
     assert main(args) == 2
     assert list(existing.iterdir()) == []
+
+
+# --- 4 / 15: generate locks --out; a held lock's message has no raw errno text --------------------------------
+def test_generate_refuses_an_out_another_run_is_writing(ws, tmp_path, capsys):
+    from draftsmith.core.io import ExclusiveLock
+
+    out = tmp_path / "g.jsonl"
+    holder = ExclusiveLock(tmp_path / ".g.jsonl.lock", "held by the test")
+    try:
+        code = main(["generate", "--input", str(ws["convs"]), "--target", str(ws["target"]), "--out", str(out),
+                     "--max-new-tokens", "2", "--limit", "1", "--no-progress"])
+    finally:
+        holder.release()
+    assert code == 2
+    line = _one_line(capsys, str(out), "another generate run")
+    assert "Errno" not in line and not out.exists()
+
+
+def test_capture_into_a_locked_store_exits_2_without_errno(ws, tmp_path, capsys):
+    from draftsmith.data.store import FeatureStoreWriter
+
+    out = tmp_path / "s"
+    holder = FeatureStoreWriter(out, meta={"kind": "other"})
+    try:
+        code = _capture(ws, ws["convs"], out)
+    finally:
+        holder.close()
+    assert code == 2
+    line = _one_line(capsys, "another FeatureStoreWriter", str(out))
+    assert "Errno" not in line and "Resource temporarily unavailable" not in line
+
+
+# --- 8: vocab --out never overwrites the store's own files ---------------------------------------------------
+@pytest.mark.parametrize("name", ["manifest.json", "shard-00000.safetensors"])
+def test_vocab_out_cannot_name_the_stores_own_file(ws, tmp_path, capsys, name):
+    store = tmp_path / "store"
+    shutil.copytree(ws["store"], store)
+    before = (store / name).read_bytes()
+    assert main(["vocab", "--store", str(store), "--draft-vocab-size", "32", "--out", str(store / name)]) == 2
+    _one_line(capsys, str(store / name))
+    assert (store / name).read_bytes() == before
+
+
+# --- 10 / 13 / 15: manifests that parse but are not what the readers rely on ---------------------------------
+def _edit_manifest(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    edit(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def _set(path: tuple, value):
+    def edit(m):
+        node = m
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+    return edit
+
+
+def _dup_id(m):
+    m["shards"][1]["samples"][0]["sample_id"] = m["shards"][0]["samples"][0]["sample_id"]
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_set(("shards",), 5), "shards is a int"),
+    (_set(("shards", 0, "samples", 0, "length"), "abc"), "length is 'abc'"),
+    (_set(("shards", 0, "file"), "../../target/model.safetensors"), "not a shard-N.safetensors name"),
+    (_dup_id, "repeats sample_id"),
+], ids=["shards-int", "length-str", "file-outside", "duplicate-id"])
+@pytest.mark.parametrize("command", ["train", "vocab", "capture"])
+def test_edited_manifest_is_one_line_naming_it(ws, tmp_path, capsys, edit, needle, command):
+    store = _edit_manifest(ws["store"], tmp_path / "store", edit)
+    manifest_before = (store / "manifest.json").read_bytes()
+    if command == "train":
+        args = _train_args(ws, tmp_path / "run")
+        args[args.index("--store") + 1] = str(store)
+        code = main(args)
+    elif command == "vocab":
+        code = main(["vocab", "--store", str(store), "--draft-vocab-size", "32"])
+    else:
+        code = _capture(ws, ws["convs"], store, "--max-length", "128")
+    assert code == 2
+    line = _one_line(capsys, str(store / "manifest.json"), needle)
+    assert "delete" not in line  # no advice to remove anything, least of all a file outside the store
+    assert (store / "manifest.json").read_bytes() == manifest_before
+    assert (ws["target"] / "model.safetensors").is_file()
+
+
+# --- 14: a failed capture leaves no empty store behind ------------------------------------------------------
+def test_failed_capture_leaves_no_empty_store(ws, tmp_path, capsys):
+    conv = tmp_path / "bad.jsonl"
+    conv.write_text('{not json\n')
+    out = tmp_path / "s"
+    assert _capture(ws, conv, out) == 2
+    _one_line(capsys, "no usable conversation")
+    assert not out.exists()

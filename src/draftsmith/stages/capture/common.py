@@ -8,6 +8,7 @@ in ``hf.py``, vLLM's engine and the spool ingest in ``vllm.py``.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import sys
@@ -472,6 +473,7 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
     total = _count_records(config.conversations, config.limit) if show else None
     start = time.perf_counter()
     progress = _Progress(total, show)
+    fresh = not config.out.exists()
     try:
         with FeatureStoreWriter(config.out, meta=meta, dtype=config.dtype,
                                 shard_max_bytes=config.shard_max_bytes) as writer:
@@ -483,6 +485,10 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
             run.run_window()
             _report_skipped(config, report, run.skipped)
         run.after_close()
+    except BaseException:
+        if fresh:
+            _remove_empty_store(config.out)
+        raise
     finally:
         progress.close()
     report.elapsed_s = time.perf_counter() - start
@@ -491,6 +497,23 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
     store = FeatureStore(config.out, verify_on_open=False)
     report.store_samples, report.store_tokens, report.store_bytes = len(store), store.total_tokens, store.bytes_on_disk
     return report
+
+
+def _remove_empty_store(root: Path) -> None:
+    """Take away a store this failed run created and committed nothing to (its manifest, lock, temp files)."""
+    try:
+        manifest = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
+        names = {p.name for p in root.iterdir()}
+    except (OSError, ValueError):
+        return
+    if not isinstance(manifest, dict) or manifest.get("num_samples") != 0 or manifest.get("shards") != []:
+        return
+    if not names <= {MANIFEST_NAME, LOCK_NAME, f".{MANIFEST_NAME}.tmp"}:
+        return
+    for name in names:
+        (root / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        root.rmdir()
 
 
 def _report_skipped(config: CaptureConfig, report: CaptureReport, skipped: list[dict[str, Any]]) -> None:
