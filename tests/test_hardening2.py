@@ -276,3 +276,51 @@ def test_failed_capture_leaves_no_empty_store(ws, tmp_path, capsys):
     assert _capture(ws, conv, out) == 2
     _one_line(capsys, "no usable conversation")
     assert not out.exists()
+
+
+# --- 5: work is bounded by the target's context (max_position_embeddings 512) --------------------------------
+def test_decode_huge_budget_is_clamped_to_the_context(ws, capsys):
+    argv = ["decode", "--target", str(ws["target"]), "--prompt", "the cat sat", "--max-new-tokens", "1000000000",
+            "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert len(report["token_ids"]) + report["prompt_length"] <= 512
+    assert "clamped to" in captured.err
+
+
+def test_decode_prompt_past_the_context_is_refused(ws, capsys):
+    argv = ["decode", "--target", str(ws["target"]), "--prompt", "the cat sat on a mat " * 400,
+            "--max-new-tokens", "4"]
+    assert main(argv) == 2
+    _one_line(capsys, "context is 512 positions")
+
+
+@pytest.mark.parametrize("policy, bucket", [("truncate", "truncated 1"), ("skip", "too long 1")])
+def test_capture_bounds_samples_by_the_context(ws, tmp_path, capsys, policy, bucket):
+    answer = "the cat sat on a mat " * 150
+    long_conv = json.dumps({"id": "long", "messages": [{"role": "user", "content": "tell me"},
+                                                       {"role": "assistant", "content": answer}]})
+    conv = _write_convs(tmp_path / "c.jsonl", 2, [long_conv])
+    out = tmp_path / "s"
+    assert _capture(ws, conv, out, "--long", policy) == 0  # --max-length defaults to 2048
+    text = capsys.readouterr().out
+    assert bucket in text and "context of 512 positions" in text, text
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert max(r["length"] for sh in manifest["shards"] for r in sh["samples"]) <= 512
+
+
+# --- 9: the tree is bounded by what it costs ----------------------------------------------------------------
+@pytest.mark.parametrize("tree", ["64,256,1024", "3,128,64"])
+def test_tree_topk_bounded_by_cost(ws, capsys, tree):
+    argv = ["decode", "--target", str(ws["target"]), "--random-drafter", "--tree", tree, "--prompt", "hi",
+            "--max-new-tokens", "2"]
+    assert main(argv) == 2
+    _one_line(capsys, "candidate nodes", "16384")
+
+
+def test_tree_within_the_cost_bound_still_runs():
+    from draftsmith.stages.decode import MAX_TREE_CANDIDATES, TreeSpec
+
+    assert TreeSpec(3, 64, 64).candidates <= MAX_TREE_CANDIDATES
+    assert TreeSpec(64, 8, 1024).candidates <= MAX_TREE_CANDIDATES

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from draftsmith.core.conventions import default_aux_layers
-from draftsmith.core.errors import DraftsmithError, one_line
+from draftsmith.core.errors import DraftsmithError, UsageError, one_line
 
 # Attribute paths where known decoder families keep their layer list, tried before a generic search.
 _KNOWN_LAYER_PATHS = (
@@ -386,6 +386,21 @@ def cache_keep(cache, keep: int, extra: torch.Tensor | None = None) -> None:
             layer.values[..., keep:keep + n, :] = layer.values.index_select(-2, idx)
         layer.keys = layer.keys[..., :keep + n, :]
         layer.values = layer.values[..., :keep + n, :]
+
+
+def context_budget(target: Target, prompt_len: int, max_new_tokens: int) -> int:
+    """``max_new_tokens`` clamped to what the target's context leaves after the prompt (as generate does).
+
+    A prompt that fills the context is refused: past ``max_position_embeddings`` the model was never trained,
+    and an unbounded budget only burns time.
+    """
+    max_pos = getattr(target.config, "max_position_embeddings", None)
+    if not isinstance(max_pos, int) or max_pos < 1:
+        return max_new_tokens
+    if prompt_len >= max_pos:
+        raise UsageError(f"the prompt has {prompt_len} tokens but the target's context is {max_pos} positions "
+                         "(max_position_embeddings): shorten the prompt")
+    return min(max_new_tokens, max_pos - prompt_len)
 
 
 # --- loading -------------------------------------------------------------------------------------------

@@ -466,9 +466,10 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
             "is this the target's own tokenizer?"
         )
     chat_format(tokenizer)  # fail fast on a tokenizer without a usable chat template
+    context_note = _bound_by_context(config, target)
     meta = store_meta(target, tokenizer, max_length=config.max_length, long=config.long,
                       target_dtype=target_dtype)
-    report = CaptureReport(store=config.out, counts=CaptureCounts())
+    report = CaptureReport(store=config.out, counts=CaptureCounts(), notes=[context_note] if context_note else [])
     show = sys.stderr.isatty() if config.progress is None else config.progress
     total = _count_records(config.conversations, config.limit) if show else None
     start = time.perf_counter()
@@ -497,6 +498,22 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
     store = FeatureStore(config.out, verify_on_open=False)
     report.store_samples, report.store_tokens, report.store_bytes = len(store), store.total_tokens, store.bytes_on_disk
     return report
+
+
+def _bound_by_context(config: CaptureConfig, target) -> str | None:
+    """Lower ``config.max_length`` to the target's context (``max_position_embeddings``), saying so.
+
+    Features past the positions a model was trained on are not what it computes at inference, so a longer
+    conversation is over-long like any other: cut or skipped per ``--long``, and counted.
+    """
+    max_pos = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if not isinstance(max_pos, int) or isinstance(max_pos, bool) or not 0 < max_pos < config.max_length:
+        return None
+    what = "cut to" if config.long == "truncate" else "skipped past"
+    note = (f"note: --max-length {config.max_length} is past the target's context of {max_pos} positions "
+            f"(max_position_embeddings): conversations are {what} {max_pos} tokens")
+    config.max_length = max_pos
+    return note
 
 
 def _remove_empty_store(root: Path) -> None:
