@@ -324,3 +324,112 @@ def test_tree_within_the_cost_bound_still_runs():
 
     assert TreeSpec(3, 64, 64).candidates <= MAX_TREE_CANDIDATES
     assert TreeSpec(64, 8, 1024).candidates <= MAX_TREE_CANDIDATES
+
+
+# --- 10 / 15: model files that parse but have the wrong structure -----------------------------------------
+def _edited_copy(src: Path, dst: Path, name: str, edit) -> Path:
+    shutil.copytree(src, dst)
+    f = dst / name
+    if callable(edit):
+        cfg = json.loads(f.read_text())
+        edit(cfg)
+        f.write_text(json.dumps(cfg))
+    else:
+        f.write_bytes(edit)
+    return dst
+
+
+def _decode_args(target: Path, *extra: str) -> list[str]:
+    return ["decode", "--target", str(target), "--prompt", "hi", "--max-new-tokens", "2", *extra]
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c.update(num_hidden_layers="eight"), "num_hidden_layers"),
+    (lambda c: c.update(vocab_size=600), "disagree with its config.json"),
+    (b"[1, 2]", "not a JSON object"),
+    (b'{"model_type": "\xff"}', "not valid JSON"),
+], ids=["layers-str", "vocab-size", "list", "non-utf8"])
+def test_target_config_with_the_wrong_structure(ws, tmp_path, capsys, edit, needle):
+    t = _edited_copy(ws["target"], tmp_path / "t", "config.json", edit)
+    assert main(_decode_args(t)) == 2
+    _one_line(capsys, str(t), needle)
+
+
+def test_target_config_with_the_wrong_structure_in_train(ws, tmp_path, capsys):
+    t = _edited_copy(ws["target"], tmp_path / "t", "config.json", lambda c: c.update(num_hidden_layers="eight"))
+    args = _train_args(ws, tmp_path / "run")
+    args[args.index("--target") + 1] = str(t)
+    assert main(args) == 2
+    _one_line(capsys, str(t / "config.json"), "num_hidden_layers")
+
+
+def test_corrupt_tokenizer_is_named(ws, tmp_path, capsys):
+    t = _edited_copy(ws["target"], tmp_path / "t", "tokenizer.json", b'{"version": ')
+    assert main(_decode_args(t)) == 2
+    line = _one_line(capsys, str(t / "tokenizer.json"), "cannot load the tokenizer")
+    assert "no tokenizer" not in line
+
+
+@pytest.mark.parametrize("command", ["decode", "capture", "generate"])
+def test_pickle_only_target_is_refused(ws, tmp_path, capsys, command):
+    t = tmp_path / "t"
+    shutil.copytree(ws["target"], t)
+    (t / "model.safetensors").unlink()
+    torch.save({"w": torch.zeros(1)}, t / "pytorch_model.bin")
+    if command == "decode":
+        code = main(_decode_args(t))
+    elif command == "capture":
+        code = main(["capture", "--target", str(t), "--conversations", str(ws["convs"]), "--out",
+                     str(tmp_path / "s"), "--no-progress"])
+    else:
+        code = main(["generate", "--input", str(ws["convs"]), "--target", str(t), "--out", str(tmp_path / "g.jsonl"),
+                     "--no-progress"])
+    assert code == 2
+    _one_line(capsys, str(t), "only pickle weights", "pytorch_model.bin")
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(ws) -> Path:
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+
+    return new_drafter(load_target(ws["target"])).save(ws["root"] / "drafter")
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c.update(hidden_size=96), "disagree with"),
+    (lambda c: c.update(intermediate_size=-5), "intermediate_size must be >= 1"),
+    (lambda c: c.update(intermediate_size=10**12), "disagrees with the weights"),
+    (b"[1]", "not an object"),
+    (lambda c: c.update(num_attention_heads="four"), "'four'"),
+    (b'{"hidden_size": "\xff"}', "not valid JSON"),
+], ids=["hidden", "negative", "huge", "list", "heads-str", "non-utf8"])
+@pytest.mark.parametrize("command", ["decode", "export"])
+def test_drafter_config_with_the_wrong_structure(ws, drafter_dir, tmp_path, capsys, edit, needle, command):
+    d = _edited_copy(drafter_dir, tmp_path / "d", "config.json", edit)
+    if command == "decode":
+        code = main(_decode_args(ws["target"], "--drafter", str(d)))
+    else:
+        code = main(["export", "--drafter", str(d), "--format", "vllm", "--out", str(tmp_path / "x")])
+    assert code == 2
+    _one_line(capsys, str(d / "config.json"), needle)
+
+
+def test_export_num_speculative_tokens_is_bounded(drafter_dir, tmp_path, capsys):
+    out = tmp_path / "x"
+    argv = ["export", "--drafter", str(drafter_dir), "--format", "vllm", "--out", str(out),
+            "--num-speculative-tokens", "1000000000"]
+    assert main(argv) == 2
+    _one_line(capsys, "--num-speculative-tokens", "64")
+    assert not (out / "config.json").exists()
+
+
+@pytest.mark.parametrize("name, text", [("broken.yaml", "a: [1,\n"), ("list.yaml", "- 1\n- 2\n"),
+                                        ("tag.yaml", 'x: !!python/object/apply:os.system ["true"]\n'),
+                                        ("bad.toml", "x = [\n")])
+def test_train_config_file_that_is_not_a_table(ws, tmp_path, capsys, name, text):
+    f = tmp_path / name
+    f.write_text(text)
+    assert main(["train", "--config", str(f), "--store", str(ws["store"]), "--target", str(ws["target"]),
+                 "--out", str(tmp_path / "run")]) == 2
+    _one_line(capsys, str(f))

@@ -79,13 +79,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"{path}: no such config file")
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(p.read_text()) or {}
-        else:
-            values = tomllib.loads(p.read_text())
-        values = values.get("train", values)
+        values = _read_config_file(p)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     known = TrainConfig.fields()
     for key in values:
@@ -109,6 +103,25 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     if cfg.train_samples < 0:
         raise TrainError(f"train_samples must be >= 0 (0: all), not {cfg.train_samples}")
     return cfg
+
+
+def _read_config_file(p: Path) -> dict:
+    """A TOML or YAML (safe_load: tags that build objects are refused) file's table, its [train] section if any."""
+    try:
+        text = p.read_text(encoding="utf-8")
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = tomllib.loads(text)
+    except Exception as e:  # UnicodeDecodeError, TOMLDecodeError, every yaml.YAMLError: the file, on one line
+        raise TrainError(f"{p}: not a readable config file ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                         ) from e
+    values = values.get("train", values) if isinstance(values, dict) else values
+    if not isinstance(values, dict):
+        raise TrainError(f"{p}: a config file holds a table of fields, not a {type(values).__name__}")
+    return values
 
 
 # Fields added after runs existed: hashed only off their default, so those runs still resume.
