@@ -66,7 +66,7 @@ def bench_dirs(tmp_path_factory):
     (["--turns", "0"], "--turns must be >= 1"),
     (["--chain", "0"], "chain length must be >= 1, got 0"),
     (["--chain", "65"], "at most 64"),
-    (["--tree", "3,600,10"], "draft vocabulary"),
+    (["--tree", "1,600,10"], "draft vocabulary"),  # depth 1: within the candidates bound
     (["--prompt-lookup", "-1"], "--prompt-lookup must be >= 0"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--hybrid-min-ngram", "0", "--shape", "auto"], "--hybrid-min-ngram takes N >= 1"),

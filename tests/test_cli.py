@@ -72,7 +72,7 @@ def test_text_output(model_dir, capsys):
     (["--random-drafter", "--chain", "65"], "at most 64"),
     (["--random-drafter", "--tree", "65,2,10"], "at most 64"),
     (["--random-drafter", "--tree", "3,2,100000"], "at most 1024"),
-    (["--random-drafter", "--tree", "3,600,10"], "draft vocabulary"),
+    (["--random-drafter", "--tree", "1,600,10"], "draft vocabulary"),  # depth 1: within the candidates bound
     (["--prompt-lookup", "-1"], "prompt lookup length must be >= 1, got -1"),
     (["--prompt-lookup", "100000"], "at most 64"),
 ])

@@ -27,11 +27,13 @@ def fail(e: BaseException, code: int = 2, then: str = "") -> int:
     return code
 
 
-# Kept in step with draftsmith.stages.decode.MAX_DRAFT_LENGTH / MAX_TREE_TOKENS (not imported: no torch for --help).
+# Kept in step with draftsmith.stages.decode.MAX_DRAFT_LENGTH / MAX_TREE_TOKENS / MAX_TREE_CANDIDATES
+# (not imported: no torch for --help).
 K_BOUND = ("K is at most 64: acceptance decays geometrically with the draft position, so past a few dozen "
             "nothing is accepted while every drafted token still costs a drafter step")
 TREE_BOUND = ("DEPTH at most 64 (as chain K), TOPK at most the drafter's draft vocabulary, TOTAL (verified "
-               "tokens, root incl.) at most 1024: a longer verify pass costs a prefill")
+               "tokens, root incl.) at most 1024: a longer verify pass costs a prefill; TOPK + (DEPTH-1) x TOPK^2 "
+               "(the candidates a round scores) at most 16384: drafting cost grows with TOPK squared")
 
 
 # The grammar every command shares (docs/cli.md is generated from these): --device and --dtype mean the device and

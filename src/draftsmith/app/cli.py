@@ -290,6 +290,7 @@ def _decode(args) -> int:
     import torch
 
     from draftsmith.model.drafter import load_drafter, new_drafter
+    from draftsmith.model.target import context_budget
     from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
     from draftsmith.stages.step_config import choose_for_drafting, load_target_for
 
@@ -329,7 +330,11 @@ def _decode(args) -> int:
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     use_spec = drafter is not None or args.prompt_lookup is not None
     decoder = SpeculativeDecoder(target, drafter, spec if use_spec else None)
-    result = decoder.generate(prompt_ids, args.max_new_tokens, sampling, eos_token_ids=stop_token_ids(tok),
+    budget = context_budget(target, len(prompt_ids), args.max_new_tokens)
+    if budget < args.max_new_tokens:
+        print(f"draftsmith: note: --max-new-tokens {args.max_new_tokens} clamped to {budget}: that is what the "
+              f"prompt's {len(prompt_ids)} tokens leave of the target's context", file=sys.stderr)
+    result = decoder.generate(prompt_ids, budget, sampling, eos_token_ids=stop_token_ids(tok),
                               generator=generator)
     text = tok.decode(result.token_ids, skip_special_tokens=True)
     if args.json:

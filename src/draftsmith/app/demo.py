@@ -253,7 +253,9 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     if (run_dir / "final" / "model.safetensors").is_file():
         print(f"already trained: {run_dir / 'final'}", file=sys.stderr)
     else:
-        cfg.resume = (run_dir / "checkpoints" / "latest").is_file()
+        from draftsmith.stages.train.checkpoints import newest_checkpoint
+
+        cfg.resume = newest_checkpoint(run_dir) is not None  # also a run killed before writing its first `latest`
         train(cfg)
     times["train"] = time.perf_counter() - t
 

@@ -170,7 +170,7 @@ def capture(args) -> int:
         if isinstance(e, (FileNotFoundError, NotADirectoryError, PermissionError)):
             raise
         if isinstance(e, StoreError) and not (isinstance(e, StoreWriteError) or e.resumable):
-            return fail(e, 1)
+            return fail(e)  # a held lock or a damaged store: the user's to fix, like any bad input
         return fail(e, 1, "; committed samples are kept, rerun to resume")
     except KeyboardInterrupt:
         print("draftsmith: interrupted; committed samples are kept, rerun to resume", file=sys.stderr)

@@ -89,7 +89,9 @@ class ExclusiveLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
-            raise LockHeld(f"another process holds {what} ({self.path}): {e}; wait for it to finish") from e
+            held = e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
+            why = "" if held else f": {e.strerror or e}"  # flock's EAGAIN text says nothing a user can use
+            raise LockHeld(f"another process holds {what} ({self.path}){why}; wait for it to finish") from e
         self._fd = fd
 
     def release(self) -> None:

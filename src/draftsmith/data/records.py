@@ -17,6 +17,7 @@ from typing import Any
 from draftsmith.core.errors import DraftsmithError
 
 ROLES = ("system", "user", "assistant")
+_TOO_DEEP = "invalid JSON: nested too deeply to parse"
 
 # ShareGPT dumps use many speaker names; the common ones map onto the three roles we train on.
 _ROLE_ALIASES = {
@@ -124,12 +125,25 @@ def parse_record(record: Mapping[str, Any], line_no: int) -> Conversation:
     messages = [normalize_message(m, f"{where}: {key}[{i}]") for i, m in enumerate(raw)]
     system = record.get("system")
     if isinstance(system, str) and system.strip() and (not messages or messages[0]["role"] != "system"):
+        _check_encodable(system, f"{where}: system")
         messages.insert(0, {"role": "system", "content": system})
     if not messages:
         raise EmptyConversation(f"{where}: no messages")
     rid = record.get("id")
     cid = str(rid) if rid is not None and str(rid) != "" else conversation_id(messages)
+    _check_encodable(cid, f"{where}: id")
     return Conversation(id=cid, messages=messages)
+
+
+def _check_encodable(text: str, where: str) -> None:
+    """Refuse text UTF-8 cannot encode: JSON may escape a lone surrogate (half an emoji, common in scraped
+    dumps), but no tokenizer or output file can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start:exc.end]
+        raise ValueError(f"{where}: text UTF-8 cannot encode ({exc.reason}: U+{ord(bad[0]):04X} at "
+                         f"character {exc.start})") from None
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, Conversation | Exception]]:
@@ -153,6 +167,9 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Conversation | Exception
                 record = json.loads(text)
             except json.JSONDecodeError as exc:
                 yield line_no, RecordError(f"invalid JSON: {exc.msg} (column {exc.colno})", line_no, str(p))
+                continue
+            except RecursionError:
+                yield line_no, RecordError(_TOO_DEEP, line_no, str(p))
                 continue
             try:
                 yield line_no, parse_record(record, line_no)
@@ -183,6 +200,9 @@ def read_json_array(path: str | Path) -> Iterator[tuple[int, Conversation | Exce
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             return  # the truncated tail: everything complete before it has been yielded
+        except RecursionError:  # the rest of the array cannot be found past an object nested this deep
+            yield n + 1, RecordError(_TOO_DEEP + "; the rest of the array is not read", n + 1, str(p))
+            return
         n += 1
         try:
             yield n, parse_record(record, n)
@@ -239,4 +259,5 @@ def normalize_message(message: Any, where: str) -> dict[str, str]:
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
+    _check_encodable(content, f"{where}: content")
     return {"role": role, "content": content}

@@ -25,7 +25,7 @@ from torch import nn
 from draftsmith import __version__
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import canonical_weight_name, from_sglang_layer_ids, norm_mismatches, norm_switches
-from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError, one_line
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -445,6 +445,21 @@ def init_head_from_target(drafter: Eagle3Drafter, lm_head_weight: torch.Tensor,
     return True
 
 
+def check_config_sizes(cfg: DrafterConfig, cfg_file: Path, weight_elements: int) -> None:
+    """Positive sizes whose tensors fit in the weights file: an edited size must not allocate terabytes first."""
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "vocab_size", "draft_vocab_size", "target_hidden_size"):
+        if getattr(cfg, name) < 1:
+            raise DrafterError(f"{cfg_file}: {name} must be >= 1, got {getattr(cfg, name)}")
+    h = cfg.hidden_size
+    for what, n in (("intermediate_size x hidden_size", cfg.intermediate_size * h),
+                    ("num_attention_heads x head_dim x hidden_size", cfg.num_attention_heads * cfg.head_dim * h),
+                    ("draft_vocab_size x hidden_size", cfg.draft_vocab_size * h)):
+        if n > weight_elements:
+            raise DrafterError(f"{cfg_file}: {what} = {n} parameters, more than the {weight_elements} its weights "
+                               "hold: the config disagrees with the weights")
+
+
 def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dtype | None = None) -> Eagle3Drafter:
     """Load a drafter saved by draftsmith or an EAGLE/SpecForge checkpoint (``midlayer.*`` names)."""
     from safetensors.torch import load_file
@@ -457,17 +472,20 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
         raise FileNotFoundError(f"{path}: not a drafter directory (no config.json)")
     try:
         raw = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise DrafterError(f"{cfg_file}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise DrafterError(f"{cfg_file}: not an EAGLE-3 drafter config (a JSON {type(raw).__name__}, not an object)")
     try:
         cfg = DrafterConfig.from_hf_config(raw)
-    except (KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise DrafterError(f"{cfg_file}: not an EAGLE-3 drafter config ({type(e).__name__}: {e})") from e
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE}")
     with corrupt_weights_named(weights):
         state = load_file(str(weights))
+    check_config_sizes(cfg, cfg_file, sum(t.numel() for t in state.values()))
     state = {canonical_weight_name(k): v for k, v in state.items()}
     # Keep a saved embedding only when the drafter cannot share the target's (different width).
     own = "embed_tokens.weight" in state and (
@@ -495,7 +513,10 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
     mislabelled = norm_mismatches(cfg.norm_flags(), state, len(cfg.aux_layer_ids))
     if mislabelled:
         raise DrafterError(f"{path}: EAGLE-3.1 norms mislabelled: {'; '.join(mislabelled)}")
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes other than config.json's sizes (an edited hidden_size)
+        raise DrafterError(f"{cfg_file}: its sizes disagree with {weights} ({one_line(e)[:300]})") from e
     if missing or unexpected:
         raise DrafterError(f"{weights}: missing weights {sorted(missing)}, unexpected {sorted(unexpected)}")
     if target is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.core.errors import UsageError
 from draftsmith.core.machine import cache_home
 
 EMBEDDED_DEFAULT = "smollm2"
@@ -83,4 +84,8 @@ def resolve_model_path(path: str | Path) -> tuple[Path, str | None]:
         if len(ggufs) == 1:
             return p, ggufs[0].name
         raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
+    pickles = [f.name for f in sorted(p.iterdir()) if f.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    if pickles and not any(p.glob("*.safetensors")) and not (p / "model.safetensors.index.json").is_file():
+        raise UsageError(f"{path}: only pickle weights ({', '.join(pickles[:3])}): draftsmith loads safetensors "
+                         "only, since unpickling can run code; convert them (save_pretrained writes safetensors)")
     return p, None

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from draftsmith.core.conventions import default_aux_layers
-from draftsmith.core.errors import DraftsmithError, one_line
+from draftsmith.core.errors import DraftsmithError, UsageError, one_line
 
 # Attribute paths where known decoder families keep their layer list, tried before a generic search.
 _KNOWN_LAYER_PATHS = (
@@ -388,6 +388,17 @@ def cache_keep(cache, keep: int, extra: torch.Tensor | None = None) -> None:
         layer.values = layer.values[..., :keep + n, :]
 
 
+def context_budget(target: Target, prompt_len: int, max_new_tokens: int) -> int:
+    """``max_new_tokens`` clamped to what the prompt leaves of ``max_position_embeddings``; a prompt past it refused."""
+    max_pos = getattr(target.config, "max_position_embeddings", None)
+    if not isinstance(max_pos, int) or max_pos < 1:
+        return max_new_tokens
+    if prompt_len >= max_pos:
+        raise UsageError(f"the prompt has {prompt_len} tokens but the target's context is {max_pos} positions "
+                         "(max_position_embeddings): shorten the prompt")
+    return min(max_new_tokens, max_pos - prompt_len)
+
+
 # --- loading -------------------------------------------------------------------------------------------
 def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -426,10 +437,10 @@ def load_target(
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(model_dir, **extra)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # also a field of the wrong type ("eight"): huggingface_hub's strict dataclass errors
         config = _aliased_config(model_dir)
         if config is None:
-            raise TargetError(f"{path}: not a loadable model ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+            raise TargetError(f"{path}: not a loadable model ({model_dir / 'config.json'}: {one_line(e)[:300]})") from e
         extra["config"] = config
     # Check aux ids against the config before any weights are read.
     text = text_config_of(config)
@@ -446,12 +457,17 @@ def load_target(
             errors.append(f"{auto.__name__}: {str(e).splitlines()[0]}")
         except OSError as e:  # no weights next to the config: not something a rerun fixes
             raise TargetError(f"{path}: not a loadable model ({one_line(e)})") from e
+        except RuntimeError as e:  # weights of other shapes than config.json says (an edited vocab_size)
+            raise TargetError(f"{path}: the weights' shapes disagree with its config.json (vocab_size or another "
+                              "size edited?)") from e
     if model is None:
         raise TargetError(f"{path}: no causal LM class for this config ({'; '.join(errors)})")
     model.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"gguf_file": gguf_file} if gguf_file else {}))
-    except (OSError, ValueError):
+    except Exception as e:  # tokenizers raises plain Exception for a damaged tokenizer.json
+        if (model_dir / "tokenizer.json").is_file():
+            raise TargetError(f"{model_dir / 'tokenizer.json'}: cannot load the tokenizer ({one_line(e)[:200]})") from e
         tokenizer = None
     target = Target(model, tokenizer, aux_layers=aux_layers, name=str(path))
     if pack if pack is not None else packing_wanted():
@@ -546,7 +562,10 @@ def load_target_heads(path: str | Path, *, device: str = "cpu", dtype: torch.dty
     model_dir, gguf = resolve_model_path(path)
     if gguf:  # no tensor index in a GGUF: load it whole (small models only)
         return heads_of(load_target(path, device=device, dtype=dtype, pack=False))
-    config = text_config_of(AutoConfig.from_pretrained(model_dir))
+    try:
+        config = text_config_of(AutoConfig.from_pretrained(model_dir))
+    except Exception as e:  # also a field of the wrong type ("eight"): huggingface_hub's strict dataclass errors
+        raise TargetError(f"{model_dir / 'config.json'}: not a loadable config ({one_line(e)[:300]})") from e
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _json.loads(index.read_text())["weight_map"]

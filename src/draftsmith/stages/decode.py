@@ -17,7 +17,7 @@ import torch
 
 from draftsmith.core.errors import UsageError
 from draftsmith.model.drafter import Eagle3Drafter, KVCache
-from draftsmith.model.target import Target, cache_keep
+from draftsmith.model.target import Target, cache_keep, context_budget
 
 #: The longest draft (chain K, tree depth, prompt-lookup K). Acceptance decays geometrically with the draft
 #: position (EAGLE-3 chains use K 3-8, its trees depth 5-8), so past a few dozen positions nothing is ever
@@ -26,6 +26,10 @@ MAX_DRAFT_LENGTH = 64
 #: The most tokens one tree verify pass checks (root incl.; EAGLE-2 uses 60). Beyond ~1k a verify pass costs
 #: as much as a prefill and its attention mask grows with the square.
 MAX_TREE_TOKENS = 1024
+#: The most candidate nodes one tree drafting round scores (``TreeSpec.candidates``: each level expands top_k
+#: nodes by top_k children). Drafting cost grows with it, i.e. with top_k squared: at depth 3 a CPU decoded
+#: 52.5 / 11.0 / 2.8 / 0.28 tok/s for top_k 8 / 64 / 128 / 256, and 64,256,1024 asked for 38.8 GB.
+MAX_TREE_CANDIDATES = 16384
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,15 @@ class TreeSpec:
         if self.total_tokens > MAX_TREE_TOKENS:
             raise UsageError(f"tree total_tokens must be at most {MAX_TREE_TOKENS} (a verify pass that long costs "
                              f"a prefill), got {self.total_tokens}")
+        if self.candidates > MAX_TREE_CANDIDATES:
+            raise UsageError(f"tree {self.depth},{self.top_k},{self.total_tokens} scores {self.candidates} candidate "
+                             f"nodes per round (TOPK + (DEPTH-1) x TOPK^2); at most {MAX_TREE_CANDIDATES}: drafting "
+                             "cost grows with TOPK squared (EAGLE-2 uses TOPK 10)")
+
+    @property
+    def candidates(self) -> int:
+        """Nodes one drafting round creates and scores: top_k at depth 1, then top_k x top_k per further level."""
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
     @property
     def max_draft_tokens(self) -> int:
@@ -291,6 +304,7 @@ class SpeculativeDecoder:
             raise UsageError("prompt must contain at least one token")
         if max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        max_new_tokens = context_budget(self.target, ids.shape[1], max_new_tokens)
         self._stop_ids = set(int(x) for x in eos_token_ids)
         result = DecodeResult(token_ids=[], prompt_length=ids.shape[1])
         t0 = time.perf_counter()

@@ -70,17 +70,74 @@ def _read_manifest(root: Path) -> dict[str, Any] | None:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError as e:
+        raise StoreCorrupt(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
     try:
         manifest = json.loads(text)
     except json.JSONDecodeError as e:
         raise StoreCorrupt(f"{path} is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise StoreCorrupt(f"{path} is not a {FORMAT_NAME} manifest (nested too deeply to parse)") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise StoreCorrupt(f"{path} is not a {FORMAT_NAME} manifest")
     if manifest.get("version") != FORMAT_VERSION:
         raise StoreMismatch(
             f"{path} has format version {manifest.get('version')!r}; this draftsmith reads {FORMAT_VERSION}"
         )
+    _check_manifest(manifest, path)
     return manifest
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """The structure every reader relies on, so an edited manifest is one StoreCorrupt naming the field.
+
+    Shard files are plain ``shard-N.safetensors`` names inside the store (a manifest never points outside
+    it), and a sample id appears once in the whole store (a second copy would be trained on twice).
+    """
+    def bad(where: str, what: str) -> StoreCorrupt:
+        return StoreCorrupt(f"{path}: {where} {what}; the manifest was edited or damaged")
+
+    if not isinstance(manifest.get("meta"), dict):
+        raise bad("meta", "is not an object")
+    for key in ("num_samples", "total_tokens", "total_loss_tokens"):
+        if not _count(manifest.get(key)):
+            raise bad(key, f"is {manifest.get(key)!r}, not a count")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        raise bad("shards", f"is a {type(shards).__name__}, not a list")
+    seen: dict[str, str] = {}
+    files: set[str] = set()
+    for si, shard in enumerate(shards):
+        where = f"shards[{si}]"
+        if not isinstance(shard, dict):
+            raise bad(where, "is not an object")
+        name = shard.get("file")
+        if not isinstance(name, str) or _shard_index(name) is None or "/" in name or "\\" in name:
+            raise bad(f"{where}.file", f"is {str(name)[:80]!r}, not a {SHARD_PREFIX}N{SHARD_SUFFIX} name inside "
+                      "the store")
+        if name in files:
+            raise bad(f"{where}.file", f"{name!r} is listed twice")
+        files.add(name)
+        if not isinstance(shard.get("sha256"), str) or not _count(shard.get("bytes")):
+            raise bad(where, "has no sha256 string or no byte count")
+        samples = shard.get("samples")
+        if not isinstance(samples, list):
+            raise bad(f"{where}.samples", f"is a {type(samples).__name__}, not a list")
+        for j, rec in enumerate(samples):
+            at = f"{where}.samples[{j}]"
+            if not isinstance(rec, dict) or not isinstance(rec.get("sample_id"), str):
+                raise bad(at, "has no sample_id string")
+            for key in ("length", "loss_tokens"):
+                if not _count(rec.get(key)):
+                    raise bad(f"{at}.{key}", f"is {rec.get(key)!r}, not a count")
+            sid = rec["sample_id"]
+            if sid in seen:
+                raise bad(at, f"repeats sample_id {sid[:80]!r} ({seen[sid]} has it too)")
+            seen[sid] = at
 
 
 def _shard_index(name: str) -> int | None:

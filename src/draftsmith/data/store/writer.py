@@ -100,7 +100,8 @@ class FeatureStoreWriter:
         try:
             self._lock = ExclusiveLock(self.root / LOCK_NAME, "this feature store's writer lock")
         except LockHeld as e:
-            raise StoreLocked(f"another FeatureStoreWriter holds {self.root}: {e.__cause__}") from e
+            raise StoreLocked(f"another FeatureStoreWriter holds {self.root} ({self.root / LOCK_NAME} is locked); "
+                              "wait for it to finish or choose another --out") from e
 
     def _release_lock(self) -> None:
         if self._lock is not None:

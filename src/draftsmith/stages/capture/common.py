@@ -8,6 +8,7 @@ in ``hf.py``, vLLM's engine and the spool ingest in ``vllm.py``.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import sys
@@ -410,6 +411,8 @@ class _Run:
             return self._bump("template_error", line, sid, f"chat template error: {_bare_reason(e)}")
         except ValueError as e:
             return self._bump("invalid", line, sid, _bare_reason(e))
+        except TypeError as e:  # what a fast tokenizer raises for text it cannot take
+            return self._bump("invalid", line, sid, f"the tokenizer cannot encode it ({one_line(e)})")
         if max(tok.input_ids) >= self.vocab_size:
             return self._bump("invalid", line, sid, f"token id {max(tok.input_ids)} outside the target's "
                               f"vocabulary of {self.vocab_size}")
@@ -463,13 +466,15 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
             "is this the target's own tokenizer?"
         )
     chat_format(tokenizer)  # fail fast on a tokenizer without a usable chat template
+    context_note = _bound_by_context(config, target)
     meta = store_meta(target, tokenizer, max_length=config.max_length, long=config.long,
                       target_dtype=target_dtype)
-    report = CaptureReport(store=config.out, counts=CaptureCounts())
+    report = CaptureReport(store=config.out, counts=CaptureCounts(), notes=[context_note] if context_note else [])
     show = sys.stderr.isatty() if config.progress is None else config.progress
     total = _count_records(config.conversations, config.limit) if show else None
     start = time.perf_counter()
     progress = _Progress(total, show)
+    fresh = not config.out.exists()
     try:
         with FeatureStoreWriter(config.out, meta=meta, dtype=config.dtype,
                                 shard_max_bytes=config.shard_max_bytes) as writer:
@@ -481,6 +486,10 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
             run.run_window()
             _report_skipped(config, report, run.skipped)
         run.after_close()
+    except BaseException:
+        if fresh:
+            _remove_empty_store(config.out)
+        raise
     finally:
         progress.close()
     report.elapsed_s = time.perf_counter() - start
@@ -489,6 +498,39 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
     store = FeatureStore(config.out, verify_on_open=False)
     report.store_samples, report.store_tokens, report.store_bytes = len(store), store.total_tokens, store.bytes_on_disk
     return report
+
+
+def _bound_by_context(config: CaptureConfig, target) -> str | None:
+    """Lower ``config.max_length`` to the target's context (``max_position_embeddings``), saying so.
+
+    Features past the positions a model was trained on are not what it computes at inference, so a longer
+    conversation is over-long like any other: cut or skipped per ``--long``, and counted.
+    """
+    max_pos = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if not isinstance(max_pos, int) or isinstance(max_pos, bool) or not 0 < max_pos < config.max_length:
+        return None
+    what = "cut to" if config.long == "truncate" else "skipped past"
+    note = (f"note: --max-length {config.max_length} is past the target's context of {max_pos} positions "
+            f"(max_position_embeddings): conversations are {what} {max_pos} tokens")
+    config.max_length = max_pos
+    return note
+
+
+def _remove_empty_store(root: Path) -> None:
+    """Take away a store this failed run created and committed nothing to (its manifest, lock, temp files)."""
+    try:
+        manifest = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
+        names = {p.name for p in root.iterdir()}
+    except (OSError, ValueError):
+        return
+    if not isinstance(manifest, dict) or manifest.get("num_samples") != 0 or manifest.get("shards") != []:
+        return
+    if not names <= {MANIFEST_NAME, LOCK_NAME, f".{MANIFEST_NAME}.tmp"}:
+        return
+    for name in names:
+        (root / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        root.rmdir()
 
 
 def _report_skipped(config: CaptureConfig, report: CaptureReport, skipped: list[dict[str, Any]]) -> None:

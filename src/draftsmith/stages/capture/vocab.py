@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -36,6 +37,22 @@ def count_store_tokens(store: FeatureStore | str | Path, vocab_size: int) -> tor
     return counts
 
 
+def _check_out(path: Path, fs: FeatureStore) -> None:
+    """Refuse an ``--out`` that is one of the store's own files (its manifest, a shard, the writer's lock)."""
+    from draftsmith.data.store import LOCK_NAME, MANIFEST_NAME
+
+    if path.is_dir():
+        raise VocabError(f"--out {path}: is a directory, not a file")
+    own = [fs.root / MANIFEST_NAME, fs.root / LOCK_NAME, *(fs.root / sh["file"] for sh in fs.shards)]
+    resolved = path.resolve()
+    for p in own:
+        if resolved == p.resolve() or (path.exists() and p.exists() and os.path.samefile(path, p)):
+            raise VocabError(f"--out {path}: is the feature store's own {p.name}; writing the vocabulary there "
+                             f"would destroy the store (default: {fs.root / VOCAB_FILE})")
+    if resolved.parent == fs.root.resolve() and resolved.name.startswith("shard-"):
+        raise VocabError(f"--out {path}: shard-* names in {fs.root} belong to the store")
+
+
 def build_vocab(store: FeatureStore | str | Path, draft_vocab_size: int = 32000, *, out: str | Path | None = None,
                 vocab_size: int | None = None) -> VocabReport:
     """Keep the ``draft_vocab_size`` most frequent loss-position tokens; write ``d2t``/``t2d``/``counts``.
@@ -56,9 +73,10 @@ def build_vocab(store: FeatureStore | str | Path, draft_vocab_size: int = 32000,
     vocab_size = int(vocab_size)
     if fs.total_loss_tokens == 0:
         raise ValueError(f"{fs.root}: the store holds no loss tokens to count")
+    path = Path(out) if out is not None else fs.root / VOCAB_FILE
+    _check_out(path, fs)
     counts = count_store_tokens(fs, vocab_size)
     vocab, coverage = from_counts(counts, draft_vocab_size)
-    path = Path(out) if out is not None else fs.root / VOCAB_FILE
     extra = {"counted": "input_ids at loss_mask == 1"}
     for key in ("tokenizer_fingerprint", "target_fingerprint"):
         if key in fs.meta:

@@ -74,5 +74,6 @@ class DrafterCheckpoint:
         try:
             drafter.load_state_dict(self.state, strict=True)
         except RuntimeError as e:
-            raise ExportError(f"{self.source}: tensors do not fit the config: {' '.join(str(e).split())}") from e
+            raise ExportError(f"{self.source}/config.json: its sizes disagree with the tensors: "
+                              f"{' '.join(str(e).split())}") from e
         return drafter.eval()

@@ -23,7 +23,7 @@ from draftsmith.core.conventions import (
 )
 from draftsmith.core.errors import one_line
 from draftsmith.core.layouts import detect_layout
-from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig
+from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig, check_config_sizes
 from draftsmith.model.target import CorruptWeightsError, corrupt_weights_named
 from draftsmith.stages.export.checkpoint import (
     _UNSUPPORTED_SWITCHES,
@@ -140,7 +140,8 @@ def read_checkpoint(path: str | Path, fmt: str = "auto", *, aux_layers=None,
     try:
         cfg = DrafterConfig.from_hf_config(flat)
     except (KeyError, TypeError, ValueError) as e:
-        raise ExportError(f"{path}: config.json is not an EAGLE-3 drafter config ({type(e).__name__}: {e})") from e
+        raise ExportError(f"{path / 'config.json'}: not an EAGLE-3 drafter config ({type(e).__name__}: {e})") from e
+    check_config_sizes(cfg, path / "config.json", sum(t.numel() for t in state.values()))
     mislabelled = norm_mismatches(cfg.norm_flags(), state, len(ids) if aux_known else None)
     if mislabelled:
         raise ExportError(f"{path}: the EAGLE-3.1 norms in config.json and the weights disagree: "
@@ -180,9 +181,12 @@ def _read_config(path: Path) -> dict:
     if not f.is_file():
         raise FileNotFoundError(f"{path}: not a drafter directory (no config.json)")
     try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ExportError(f"{f}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ExportError(f"{f}: not an EAGLE-3 drafter config (a JSON {type(raw).__name__}, not an object)")
+    return raw
 
 
 def _manifest(path: Path) -> dict:

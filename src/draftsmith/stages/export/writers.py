@@ -118,8 +118,11 @@ def _check_options(fmt: str, dtype: str, num_speculative_tokens: int) -> None:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if num_speculative_tokens < 1:
-        raise ExportError("num_speculative_tokens must be >= 1")
+    from draftsmith.stages.decode import MAX_DRAFT_LENGTH
+
+    if not 1 <= num_speculative_tokens <= MAX_DRAFT_LENGTH:
+        raise ExportError(f"--num-speculative-tokens must be between 1 and {MAX_DRAFT_LENGTH} (as chain K: "
+                          f"acceptance dies out long before), got {num_speculative_tokens}")
 
 
 def _setup_checkpoint(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: str | Path

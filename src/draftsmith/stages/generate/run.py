@@ -243,6 +243,30 @@ def generate(config: GenerateConfig, *, target: Any | None = None) -> GenerateSu
     out = Path(cfg.out)
     if out.exists() and not out.is_file():
         raise GenerateError(f"{out}: output path exists and is not a file")
+    lock = _lock_out(out)
+    try:
+        return _generate(cfg, out, target)
+    finally:
+        lock.release()
+
+
+def _lock_out(out: Path):
+    """Hold ``.OUT.lock`` beside ``--out`` for the run: two runs appending to one file would each write every id."""
+    from draftsmith.core.io import ExclusiveLock, LockHeld
+
+    path = out.with_name(f".{out.name}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as the writer would
+    except (FileExistsError, NotADirectoryError) as e:
+        raise GenerateError(f"--out {out}: {path.parent} is not a directory") from e
+    try:
+        return ExclusiveLock(path, "this output file")
+    except LockHeld as e:
+        raise GenerateError(f"another generate run is writing {out} ({path} is locked); wait for it to finish "
+                            "or choose another --out") from e
+
+
+def _generate(cfg: GenerateConfig, out: Path, target: Any | None) -> GenerateSummary:
     t0 = time.monotonic()
     finished = _setup_resume(out)
     if cfg.self_prompt is None:

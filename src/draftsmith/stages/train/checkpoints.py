@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -50,15 +51,67 @@ def save_checkpoint(out: Path, drafter, opt, sched, state: dict, rank: int) -> N
         shutil.rmtree(old, ignore_errors=True)
 
 
+_STEP_NAME = re.compile(r"step-\d{7}")
+
+
+def _complete(path: Path) -> bool:
+    """A step directory holding everything a resume reads (a renamed one always does; a hand-edited one may not)."""
+    return (path / "drafter" / "model.safetensors").is_file() and (path / "trainer_state.pt").is_file()
+
+
+def newest_checkpoint(out: Path) -> Path | None:
+    """The checkpoint a resume continues from: the one ``latest`` names, else the newest complete ``step-N``.
+
+    A run killed between renaming its first ``step-N`` into place and writing ``latest`` leaves a complete
+    checkpoint and no pointer. ``latest`` names a directory inside ``checkpoints/``; anything else is refused,
+    so an edited pointer cannot make a resume read files outside the run.
+    """
+    ckpt_dir = out / "checkpoints"
+    latest = ckpt_dir / "latest"
+    if latest.is_file():
+        try:
+            name = latest.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainError(f"--resume: cannot read {latest} ({one_line(e)})") from e
+        if not _STEP_NAME.fullmatch(name):
+            raise TrainError(f"--resume: {latest} names {name[:80]!r}, not a step-NNNNNNN directory inside "
+                             f"{ckpt_dir}")
+        if _complete(ckpt_dir / name):
+            return ckpt_dir / name
+    steps = sorted(p for p in ckpt_dir.glob("step-*") if _STEP_NAME.fullmatch(p.name) and p.is_dir()
+                   and not p.is_symlink() and _complete(p)) if ckpt_dir.is_dir() else []
+    return steps[-1] if steps else None
+
+
+def read_run_config(out: Path) -> dict:
+    """The run's saved ``config.json`` as a dict of TrainConfig fields, or a TrainError naming the file."""
+    path = out / "config.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise TrainError(f"--resume: {path} is missing: not a run directory train wrote") from e
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise TrainError(f"--resume: {path} is not valid JSON ({type(e).__name__}: {one_line(e)[:200]})") from e
+    if not isinstance(saved, dict):
+        raise TrainError(f"--resume: {path} holds a JSON {type(saved).__name__}, not the run's config object")
+    unknown = sorted(set(saved) - set(TrainConfig.fields()))
+    if unknown:
+        raise TrainError(f"--resume: {path} has keys no TrainConfig field has: {', '.join(map(str, unknown))[:200]}")
+    return saved
+
+
 def load_checkpoint(out: Path, cfg: TrainConfig, drafter, opt, sched) -> dict:
-    latest = out / "checkpoints" / "latest"
-    if not latest.is_file():
+    path = newest_checkpoint(out)
+    if path is None:
         raise TrainError(f"--resume: no checkpoint in {out / 'checkpoints'}")
-    saved_cfg = json.loads((out / "config.json").read_text())
-    if config_hash(TrainConfig(**saved_cfg)) != config_hash(cfg):
+    saved_cfg = read_run_config(out)
+    try:
+        saved_hash = config_hash(TrainConfig(**saved_cfg))
+    except TypeError as e:
+        raise TrainError(f"--resume: {out / 'config.json'} is not a run config ({one_line(e)[:200]})") from e
+    if saved_hash != config_hash(cfg):
         diff = [k for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE and saved_cfg.get(k) != v]
         raise TrainError(f"--resume: {out} was trained with another config (differs in {', '.join(diff)})")
-    path = out / "checkpoints" / latest.read_text().strip()
     from safetensors.torch import load_file
 
     weights = load_file(str(path / "drafter" / "model.safetensors"))

@@ -165,13 +165,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"{path}: no such config file")
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(p.read_text()) or {}
-        else:
-            values = tomllib.loads(p.read_text())
-        values = values.get("train", values)
+        values = _read_config_file(p)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     known = TrainConfig.fields()
     for key in values:
@@ -195,6 +189,25 @@ def _check_norms(cfg: TrainConfig) -> None:
     if cfg.init_drafter and on:
         raise TrainError(f"{', '.join(on)}: an init_drafter keeps the norms its config.json names; "
                          "these options shape a new drafter")
+
+
+def _read_config_file(p: Path) -> dict:
+    """A TOML or YAML (safe_load: tags that build objects are refused) file's table, its [train] section if any."""
+    try:
+        text = p.read_text(encoding="utf-8")
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = tomllib.loads(text)
+    except Exception as e:  # UnicodeDecodeError, TOMLDecodeError, every yaml.YAMLError: the file, on one line
+        raise TrainError(f"{p}: not a readable config file ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                         ) from e
+    values = values.get("train", values) if isinstance(values, dict) else values
+    if not isinstance(values, dict):
+        raise TrainError(f"{p}: a config file holds a table of fields, not a {type(values).__name__}")
+    return values
 
 
 # Fields added after runs existed: hashed only off their default, so those runs still resume.

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import default_aux_layers
 from draftsmith.model.drafter import Eagle3Drafter, init_head_from_target, load_drafter, new_drafter
-from draftsmith.stages.train.checkpoints import load_checkpoint, save_drafter_atomic
+from draftsmith.stages.train.checkpoints import load_checkpoint, newest_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import NORM_FIELDS, TrainConfig, TrainError, config_hash
 from draftsmith.stages.train.data import OnlineSource, StoreSource, first_samples, make_batches, split_eval
 from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
@@ -59,16 +59,50 @@ def train(cfg: TrainConfig) -> TrainResult:
     owns_group = setup_distributed(cfg.device)
     rank, world = dist_info()
     lock, ok = None, False
+    created = [p for p in (out, out / LOCK_NAME) if not p.exists()]  # what a failed run takes away again
     try:
+        _check_paths(cfg)
         lock = _lock_out(out, rank)
         result = _train(cfg, rank, world, out)
         ok = True
         return result
     finally:
         if lock is not None:
+            if not ok:
+                _remove_leftovers(created, lock.path)
             lock.release()
         if owns_group:
             teardown_distributed(ok)
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    """Refuse input paths that cannot work before ``--out`` is created or locked (one line, nothing left behind).
+
+    A ``--vocab`` that is missing would silently train on the identity vocabulary; a FIFO as conversations
+    would block forever while the run holds its lock.
+    """
+    for flag, value in (("--vocab", cfg.vocab), ("--conversations", cfg.conversations)):
+        if value is None:
+            continue
+        p = Path(value)
+        if not p.exists():
+            raise TrainError(f"{flag} {p}: no such file")
+        if not p.is_file():
+            raise TrainError(f"{flag} {p}: not a regular file (a directory, FIFO or device cannot be read here)")
+    if cfg.store is not None and not Path(cfg.store).is_dir():
+        raise TrainError(f"--store {cfg.store}: no such feature store directory")
+
+
+def _remove_leftovers(created: list[Path], lock_path: Path) -> None:
+    """After a failed start: the lock file and ``--out`` itself when this run created them and left nothing else."""
+    import contextlib
+
+    for p in reversed(created):  # the lock file before the directory holding it
+        with contextlib.suppress(OSError):
+            if p == lock_path:
+                p.unlink()
+            elif p.is_dir():
+                p.rmdir()  # only when empty: a run that wrote anything keeps it
 
 
 def _lock_out(out: Path, rank: int):
@@ -107,8 +141,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        if cfg.resume:  # the steps after the checkpoint run again: their old rows go, so each step is logged once
-            log.drop_after(int(state["step"]))
+        # The steps after the checkpoint run again: their old rows go, so each step is logged once. A fresh run
+        # (in a directory a run killed before its first checkpoint left) drops every row of that run.
+        log.drop_after(int(state["step"]) if cfg.resume else -1)
 
     bar = progress_bar(cfg, rank, total_steps, state["step"])
     last_eval = train_loop(Run(cfg, out, device, autocast, rank, world, source, train_idx, eval_idx, total_steps,
@@ -303,6 +338,15 @@ def _setup_state(cfg: TrainConfig, out: Path, drafter, opt, sched) -> dict:
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_tau": 0.0, "config_hash": config_hash(cfg)}
     if cfg.resume:
         state = load_checkpoint(out, cfg, drafter, opt, sched)
-    elif (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
+    elif _holds_checkpoint(out):
         raise TrainError(f"{out} already holds a run: pass --resume to continue it or choose another --out")
     return state
+
+
+def _holds_checkpoint(out: Path) -> bool:
+    """Whether ``out`` holds a checkpoint a resume could continue; a run killed during its first save holds
+    only a ``.tmp-step-N`` directory, and a fresh run starts over it."""
+    try:
+        return newest_checkpoint(out) is not None
+    except TrainError:  # an unreadable or edited pointer: still someone's run, not a fresh directory
+        return True
