@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from draftsmith.core.errors import DraftsmithError, one_line
 
 _SMALL_TENSOR_BYTES = 64 << 20  # d2t/t2d of any real vocabulary fit far below this
 
@@ -100,3 +103,41 @@ def damaged_files(path: Path) -> list[str]:
 
 
 __all__ = ["TensorInfo", "damaged_files", "read_checkpoint_headers", "read_safetensors_header", "read_small_tensor"]
+
+
+class CorruptWeightsError(DraftsmithError, ValueError):
+    """A weights file that cannot be read (truncated or corrupt safetensors); names the file."""
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    return sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+
+
+@contextmanager
+def corrupt_weights_named(where: str | Path):
+    """Turn safetensors' own error (which names no file) into one that names the file that fails.
+
+    ``where`` is a safetensors file, or a directory whose safetensors files are checked by header to find
+    the culprit (a loader such as Hugging Face's ``from_pretrained`` does not say which shard it read).
+    """
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        where = Path(where)
+        culprit = where
+        if where.is_dir():
+            culprit = next((f for f in _safetensors_files(where) if not _header_ok(f)), where)
+        raise CorruptWeightsError(f"{culprit}: not a valid safetensors file (truncated or corrupt): "
+                                  f"{one_line(e)}") from e
+
+
+def _header_ok(path: Path) -> bool:
+    """Whether a safetensors file's header parses and its tensors end within the file."""
+    try:
+        infos = read_safetensors_header(path)
+    except (OSError, ValueError):
+        return False
+    size = path.stat().st_size
+    return all(i.end <= size for i in infos.values())

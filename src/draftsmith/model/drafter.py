@@ -464,7 +464,7 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
     """Load a drafter saved by draftsmith or an EAGLE/SpecForge checkpoint (``midlayer.*`` names)."""
     from safetensors.torch import load_file
 
-    from draftsmith.model.target import corrupt_weights_named
+    from draftsmith.core.tensorfile import corrupt_weights_named
 
     path = Path(path)
     cfg_file = path / "config.json"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
@@ -21,6 +20,7 @@ from torch import nn
 
 from draftsmith.core.conventions import default_aux_layers
 from draftsmith.core.errors import DraftsmithError, UsageError, one_line
+from draftsmith.core.tensorfile import corrupt_weights_named
 
 # Attribute paths where known decoder families keep their layer list, tried before a generic search.
 _KNOWN_LAYER_PATHS = (
@@ -39,46 +39,6 @@ _KNOWN_LAYER_PATHS = (
 
 class TargetError(DraftsmithError, ValueError):
     """A target that cannot be used: bad path, unknown structure, bad aux layer ids."""
-
-
-class CorruptWeightsError(DraftsmithError, ValueError):
-    """A weights file that cannot be read (truncated or corrupt safetensors); names the file."""
-
-
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    return sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
-
-
-@contextmanager
-def corrupt_weights_named(where: str | Path):
-    """Turn safetensors' own error (which names no file) into one that names the file that fails.
-
-    ``where`` is a safetensors file, or a directory whose safetensors files are checked by header to find
-    the culprit (a loader such as Hugging Face's ``from_pretrained`` does not say which shard it read).
-    """
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except SafetensorError as e:
-        where = Path(where)
-        culprit = where
-        if where.is_dir():
-            culprit = next((f for f in _safetensors_files(where) if not _header_ok(f)), where)
-        raise CorruptWeightsError(f"{culprit}: not a valid safetensors file (truncated or corrupt): "
-                                  f"{one_line(e)}") from e
-
-
-def _header_ok(path: Path) -> bool:
-    """Whether a safetensors file's header parses and its tensors end within the file."""
-    from draftsmith.core.tensorfile import read_safetensors_header
-
-    try:
-        infos = read_safetensors_header(path)
-    except (OSError, ValueError):
-        return False
-    size = path.stat().st_size
-    return all(i.end <= size for i in infos.values())
 
 
 @runtime_checkable

@@ -23,8 +23,8 @@ from draftsmith.core.conventions import (
 )
 from draftsmith.core.errors import one_line
 from draftsmith.core.layouts import detect_layout
+from draftsmith.core.tensorfile import CorruptWeightsError, corrupt_weights_named
 from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig, check_config_sizes
-from draftsmith.model.target import CorruptWeightsError, corrupt_weights_named
 from draftsmith.stages.export.checkpoint import (
     _UNSUPPORTED_SWITCHES,
     IMPORT_FORMATS,
