@@ -23,8 +23,7 @@ LAYERS = 4  # the decoder logic does not depend on depth; 4 layers keep 50-promp
 N_PROMPTS = 50
 NEW_TOKENS = 16
 SPECS = [ChainSpec(4), TreeSpec(depth=4, top_k=3, total_tokens=12)]  # every prompt
-EXTRA_SPECS = [ChainSpec(1), TreeSpec(3, 2, 6)]  # the first 10 prompts
-ALPHA = 1e-3  # significance level of each distribution test (fixed seeds: the outcome is deterministic)
+EXTRA_SPECS = [ChainSpec(1), TreeSpec(3, 2, 6)]  # the first 10 prompts (and every spec of the random drafter)
 
 
 @functools.cache
@@ -51,7 +50,8 @@ def test_greedy_speculative_equals_plain(arch, drafter_kind):
     drafter = new_drafter(target, seed=1) if drafter_kind == "random" else fitted(arch)
     taus = {}
     for spec in SPECS + EXTRA_SPECS:
-        n = N_PROMPTS if spec in SPECS else 10
+        # An untrained drafter accepts next to nothing: more prompts repeat one path (draft, reject, bonus).
+        n = N_PROMPTS if spec in SPECS and drafter_kind == "fitted" else 10
         decoder = SpeculativeDecoder(target, drafter, spec)
         results = [decoder.generate(p, NEW_TOKENS) for p in prompts[:n]]
         for i, (r, ref) in enumerate(zip(results, refs[:n], strict=True)):
