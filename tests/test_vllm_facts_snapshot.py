@@ -43,14 +43,16 @@ def test_facts_table_matches_the_snapshot():
     if os.environ.get("DRAFTSMITH_WRITE_SNAPSHOT") == "1":
         SNAPSHOT.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     snapshot = json.loads(SNAPSHOT.read_text())
-    assert table.keys() == snapshot.keys()
+    regen = "an intended change? see this module's docstring to rewrite the snapshot"
+    assert table.keys() == snapshot.keys(), regen
     for name in table:
+        assert table[name].keys() == snapshot[name].keys(), f"{name}: fields changed ({regen})"
         for key in table[name]:
             got, want = table[name][key], snapshot[name][key]
             if isinstance(want, list) and isinstance(got, list):
-                assert not set(map(str, want)) - set(map(str, got)), f"{name}.{key} lost entries"
-                assert not set(map(str, got)) - set(map(str, want)), f"{name}.{key} gained entries"
-            assert got == want, f"{name}.{key}"
+                assert not set(map(str, want)) - set(map(str, got)), f"{name}.{key} lost entries ({regen})"
+                assert not set(map(str, got)) - set(map(str, want)), f"{name}.{key} gained entries ({regen})"
+            assert got == want, f"{name}.{key} ({regen})"
 
 
 @pytest.mark.slow  # needs .venv-vllm, which `make test-slow` creates
