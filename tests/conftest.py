@@ -12,7 +12,6 @@ import torch
 
 from draftsmith.model.drafter import Eagle3Drafter, new_drafter
 from draftsmith.model.target import Target
-from draftsmith.stages.decode import SpeculativeDecoder
 from draftsmith.testing.models import build_tiny_model
 
 torch.set_num_threads(1)
@@ -37,6 +36,8 @@ def fit_drafter(target: Target, sequences: list[list[int]], steps: int = 200, se
     A deliberately small stand-in for the trainer, used to exercise the accept paths of the decoder:
     step 0 on target features, then ``ttt_steps - 1`` steps fed with the drafter's own outputs.
     Sequences are right-padded into one batch (causal attention keeps padding out of real positions).
+    Fitted in float32 and cast to the target's dtype at the end: float64 steps cost twice as much and a drafter
+    fitted to accept often does so in either precision.
     """
     torch.manual_seed(seed)
     t = max(len(s) for s in sequences)
@@ -48,8 +49,8 @@ def fit_drafter(target: Target, sequences: list[list[int]], steps: int = 200, se
     with torch.no_grad():
         out = target(ids)
     labels = out.logits.argmax(-1)  # labels[:, t] = the target's choice after token t
-    aux = tuple(a[:, :-1] for a in out.aux_hidden_states)
-    drafter = new_drafter(target, seed=seed)
+    aux = tuple(a[:, :-1].float() for a in out.aux_hidden_states)
+    drafter = new_drafter(target, seed=seed).float()
     drafter.train()
     opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
     for _ in range(steps):
@@ -68,7 +69,7 @@ def fit_drafter(target: Target, sequences: list[list[int]], steps: int = 200, se
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return drafter.eval()
+    return drafter.to(target.dtype).eval()
 
 
 
@@ -89,17 +90,18 @@ def self_generated_conversations(target: Target, path, n: int = 24, seed: int = 
     import json
     import random
 
+    from draftsmith.stages.generate.backends import LocalBackend, _Sampling
+
     rng = random.Random(seed)
     tok = target.tokenizer
-    decoder = SpeculativeDecoder(target)
+    questions = [" ".join(rng.choices(WORDS, k=rng.randint(3, 8))) for _ in range(n)]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=False), add_special_tokens=False)["input_ids"] for q in questions]
+    # One batched greedy pass (the local backend's loop; rows equal their unbatched generations).
+    answers = LocalBackend(target, batch_size=n).generate_ids(prompts, _Sampling(new_tokens, 0.0, 1.0), [0] * n)
     with open(path, "w") as f:
-        for i in range(n):
-            question = " ".join(rng.choices(WORDS, k=rng.randint(3, 8)))
-            ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                          tokenize=False)
-            prompt = tok(ids, add_special_tokens=False)["input_ids"]
-            out = decoder.generate(prompt, new_tokens, eos_token_ids=[tok.eos_token_id])
-            answer = tok.decode([t for t in out.token_ids if t != tok.eos_token_id], skip_special_tokens=True)
+        for i, (question, (ids, _)) in enumerate(zip(questions, answers, strict=True)):
+            answer = tok.decode([t for t in ids if t != tok.eos_token_id], skip_special_tokens=True)
             f.write(json.dumps({"id": f"conv-{i}", "messages": [{"role": "user", "content": question},
                                                                  {"role": "assistant", "content": answer}]}) + "\n")
     return path

@@ -11,19 +11,16 @@ import pytest
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
-# Each child runs three small training steps whose activations (64 MiB) are over glibc's largest mmap threshold
-# (32 MiB), then eight more, and prints the minor page faults of those eight. With the heap kept, how many pages
-# still fault varies from run to run (where the heap's blocks fall), but stays several-fold below the default.
+# Each child allocates and writes a 64 MiB tensor (over glibc's largest mmap threshold, 32 MiB) three times, then
+# eight more times, and prints the minor page faults of those eight: 16,384 pages a step when each block is mapped
+# afresh, close to none when the freed block is kept and reused. (A 64 MiB allocation stands in for a training
+# step's activations at a fraction of the cost: the allocator sees the same sizes either way.)
 CHILD = """
 import resource, sys, torch
 from draftsmith.core.allocator import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "keep" else False
-torch.manual_seed(0)
-torch.set_num_threads(1)
-w = torch.randn(512, 2048, requires_grad=True)
-x = torch.randn(8192, 512)
 def step():
-    (x @ w).softmax(-1).log().mean().backward()
+    torch.ones(16 * 2**20).sum()  # 64 MiB of float32, every page written
 for _ in range(3):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -40,11 +37,11 @@ def _faults(mode: str, env: dict | None = None) -> tuple[str, int]:
 
 
 def test_freed_memory_is_reused_without_page_faults():
-    pages = 8 * 64 * 2**20 // 4096  # what eight steps fault in if just their 64 MiB activations are fresh
+    pages = 8 * 64 * 2**20 // 4096  # what eight steps fault in if their 64 MiB blocks are fresh
     took, kept = _faults("keep")
     _, system = _faults("system")
     assert took == "True"
-    assert system > pages, "the C library's default no longer maps large blocks afresh: this test is moot"
+    assert system >= pages, "the C library's default no longer maps large blocks afresh: this test is moot"
     assert kept < system / 2
 
 
@@ -52,4 +49,4 @@ def test_the_environment_switch_leaves_the_system_allocator():
     env = {**os.environ, "DRAFTSMITH_SYSTEM_MALLOC": "1"}
     took, faults = _faults("keep", env)
     assert took == "False"
-    assert faults > 8 * 64 * 2**20 // 4096
+    assert faults >= 8 * 64 * 2**20 // 4096
