@@ -67,7 +67,7 @@ class Preset:
     # (``bench_seconds``), and plans its step count to fit (train/budget.py; never more than step_ceiling).
     minutes: float | None = None
     # Which positions train (TrainConfig.train_on): the teacher is the target's distribution at every position,
-    # so on this little data the prompts teach too (README, "Training data and recipe levers").
+    # so on this little data the prompts teach too (docs/recipes-and-levers.md).
     train_on: str = "all"
     # Under a time budget, training may run up to this many steps, as many as fit (None: max_steps, which is
     # then also what a run without a budget trains).
@@ -82,10 +82,10 @@ class Preset:
 PRESETS = {
     # Seconds, for tests: a random tiny target, a handful of conversations.
     "tiny": Preset("tiny", 12, 40, 16, 6, 300, 40, 3, 1024, 3e-3, ("mt-bench",), 2, 24, 3, (3, 2, 6), "float32"),
-    # The README's `make demo` (~20 min on 2 CPU cores). ShareGPT's first turns as written: at equal tokens
-    # they trained drafters that accept like self-prompted, regenerated data (README, "Training data"), for
+    # `make demo` (~20 min on 2 CPU cores). ShareGPT's first turns as written: at equal tokens
+    # they trained drafters that accept like self-prompted, regenerated data (docs/recipes-and-levers.md), for
     # less than half the minutes, since nothing is generated; at 700 steps the drafter stops gaining from more
-    # than a few hundred of them (README, the scaling curve), while steps still pay. So under its budget training
+    # than a few hundred of them (docs/recipes-and-levers.md), while steps still pay. So under its budget training
     # takes every minute the other stages leave it (what fits: several-fold more steps on a fast machine), up to
     # the step ceiling; 800 steps without a budget. Chain 2 and tree 2,4,6 draft two deep, so TTT unrolls two
     # steps; the bench decodes as far as the answers the drafter learned from.
@@ -95,11 +95,11 @@ PRESETS = {
     # More data (whole conversations cut at 1,024 tokens) and longer training, within 3 hours on 2 CPU cores:
     # training-time test's attention grows with the square of the length, so 2,048-token samples trained at
     # about half the tokens/s; 20 prompts a set keep the bench (every method decodes every prompt) under an hour.
-    # Its store is not used up at 1,500 steps (README, "The full preset"), so under the budget training takes the
+    # Its store is not used up at 1,500 steps (docs/recipes-and-levers.md), so under the budget training takes the
     # minutes the other stages leave, up to the ceiling, like the default preset's. TTT unrolls two steps, not
     # five: the shapes that pay on CPUs draft two deep, and at 2.4x the steps a minute a TTT-2 drafter, in 56% of
     # the time, matched the TTT-5 one at chain 5 and beat it at every tree on MT-bench, HumanEval about level
-    # (README, "Training data and recipe levers"). The bench still measures chain 5 and tree 4,6,16.
+    # (docs/recipes-and-levers.md). The bench still measures chain 5 and tree 4,6,16.
     "full": Preset("smollm2", 1000, 256, 64, 32, 8192, 1500, 2, 2048, 1e-3, ("mt-bench", "humaneval"), 20, 256, 5,
                    (4, 6, 16), data="sharegpt", max_turns=None, max_length=1024, minutes=180, step_ceiling=8000,
                    eval_every=300, warmup_steps=75),
@@ -351,7 +351,7 @@ def bench_probe(methods: list[int], target) -> tuple[VerifyCost, float]:
 
 def bench_estimate(p: Preset, target, sizes: Plan) -> float:
     """The bench's seconds at the plan's sizes, probed again after capture: the first probe, taken minutes
-    earlier, can catch the machine in a slow minute and take training's time (README, the demo's budget)."""
+    earlier, can catch the machine in a slow minute and take training's time (docs/recipes-and-levers.md)."""
     methods = verified_per_method(p.chain, p.tree[2] if p.tree else None)
     cost, decode_s = bench_probe(methods, target)
     return bench_seconds(Rates(cost, 1.0, (), decode_s), sizes.bench_limit, sizes.bench_tokens, methods,
@@ -410,7 +410,7 @@ def _trained_seconds(run_dir: Path) -> float | None:
 def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Preset, out: Path, progress: bool,
                            conversations: Path, device: str = "auto") -> tuple[dict, dict[str, Path]]:
     """`draftsmith bench` in a child process: decoding measured in the process that trained ran slower,
-    and plain and speculative decoding slowed unequally (README, Performance). ``dtype`` None: bench
+    and plain and speculative decoding slowed unequally (docs/hardware.md). ``dtype`` None: bench
     chooses it with the shape, by expected decoding speed."""
     import subprocess
 

@@ -5,7 +5,7 @@ Machines differ several-fold in every stage, and not in the same proportion: on 
 than plain decoding, while capture's long passes run in float32. A fixed store and a fixed bench then leave
 training a minute. So each of capture and the bench is estimated from measured rates first and, where it
 would take more than its share of the budget, cut down: capture to fewer conversations (the drafter gains
-more from steps than from conversations past a few hundred, README's scaling curve), the bench to fewer
+more from steps than from conversations past a few hundred, docs/recipes-and-levers.md, "Data"), the bench to fewer
 prompts and then shorter answers, never below a floor. Training gets what is left and plans its steps to fit
 (stages/train/budget.py). On a machine where everything fits, nothing is cut.
 """

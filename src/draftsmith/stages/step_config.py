@@ -3,7 +3,7 @@
 Neither answer is the same on every CPU. bfloat16 steps faster than float32 where the CPU has bf16 dot
 products (avx512_bf16, AMX) and slower where it emulates them. oneDNN-prepacked linears (model/packing.py)
 make the step and the k-token verify pass cheaper on some CPUs and the 1-token step slower on others, in
-some dtypes (README, Performance). So each is timed on a 1-token step, the unit plain decoding repeats and
+some dtypes (docs/hardware.md). So each is timed on a 1-token step, the unit plain decoding repeats and
 every speedup is measured against, and the faster kept; the verify curve is then measured on what was kept.
 With a drafter and ``--shape auto`` the dtype is instead the one whose best shape decodes fastest
 (``choose_for_drafting``): a verify pass is not a step. Times are cached per machine, target and dtype

@@ -171,7 +171,7 @@ def _plan_budget(run: Run, step_s: float, one_eval_s: float | None) -> None:
     """Set ``run.total_steps`` to what fits ``max_minutes`` (train/budget.py); the checkpoint keeps it.
 
     The first plan comes after the warm-up; later ones at each evaluation, from the steps timed since the last,
-    since the first steps can miss the steady cost of a step (README, the demo's budget). A changed plan moves
+    since the first steps can miss the steady cost of a step (docs/recipes-and-levers.md). A changed plan moves
     the cosine's end, so the learning rate shifts a little there."""
     cfg, state, lengths = run.cfg, run.state, run.source.lengths
     per_token = run.teacher.argmax_s / run.teacher.argmax_tokens if run.teacher.argmax_tokens else 0.0
