@@ -152,6 +152,15 @@ def test_serve_command(tmp_path):
         serve_command("t", "d", 0)
 
 
+def test_serve_command_gives_vllm_the_embedded_defaults_folder(tmp_path, monkeypatch):
+    """vLLM cannot resolve 'smollm2' (a draftsmith alias): it gets the converted safetensors folder."""
+    import draftsmith.model.sources as sources
+
+    monkeypatch.setattr(sources, "ensure_smollm2", lambda: tmp_path / "converted")
+    cmd = serve_command("smollm2", tmp_path / "d", 2)
+    assert cmd[:3] == ["vllm", "serve", str((tmp_path / "converted").resolve())]
+
+
 @pytest.fixture
 def serve_pair(tmp_path, monkeypatch):
     """A good pair (doctor-clean for vLLM 0.32) and a fake `vllm` that records how it was called."""

@@ -54,7 +54,12 @@ def serve_command(target: str | Path, drafter: str | Path, num_speculative_token
 
 def engine_model_name(model: str | Path) -> tuple[str, str | None]:
     """What vLLM is given for a model: an existing path made absolute (vLLM may run elsewhere); a hub id as its
-    repo id plus revision; anything else unchanged (vLLM resolves or refuses it)."""
+    repo id plus revision; the embedded default as its converted safetensors folder (vLLM cannot resolve
+    'smollm2'); anything else unchanged (vLLM resolves or refuses it)."""
+    from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2
+
+    if str(model) == EMBEDDED_DEFAULT:
+        return str(ensure_smollm2().resolve()), None
     p = Path(model).expanduser()
     if p.exists():
         return str(p.resolve()), None
