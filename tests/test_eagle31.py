@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 from draftsmith.core import vllm_facts
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.pysource import VllmSource
-from draftsmith.model.drafter import DrafterError, KVCache, load_drafter, new_drafter
+from draftsmith.model.drafter import DrafterError, load_drafter, new_drafter
 from draftsmith.model.target import Target, load_target
-from draftsmith.model.ttt import TTTBatch, teacher_targets, ttt_forward
+from draftsmith.model.ttt import TTTBatch
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder, TreeSpec
 from draftsmith.stages.doctor.diagnosis import diagnose
 from draftsmith.stages.export import ExportError, export_drafter, import_drafter, read_checkpoint
@@ -153,17 +153,9 @@ def test_ttt_unroll_equals_inference_drafting(variant):
     out = target(ids)
     batch = TTTBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
                      out.hidden_state, torch.tensor([12, 9]))
-    teacher = teacher_targets(batch, target.lm_head.weight, drafter.to_target_ids(torch.arange(200)), drafter.t2d)
-    hidden: list[torch.Tensor] = []
-    ttt_forward(drafter, batch, teacher, 4, unroll_hidden=hidden)
-    for col in (0, 5, 7):
-        cache = KVCache()
-        g = drafter.fuse(out.aux_hidden_states)[:1, : col + 1]
-        h = drafter(g, ids[:1, 1: col + 2], torch.arange(col + 1)[None], cache)[:, -1:]
-        torch.testing.assert_close(h[0, 0], hidden[0][0, col], atol=1e-7, rtol=0)
-        for i in range(1, 4):
-            h = drafter(h, ids[:1, col + 1 + i: col + 2 + i], torch.tensor([[col + i]]), cache)
-            torch.testing.assert_close(h[0, 0], hidden[i][0, col], atol=1e-7, rtol=0)
+    from test_train import assert_unroll_equals_inference
+
+    assert_unroll_equals_inference(target, drafter, ids, out, batch)
 
 
 # --- decoding: lossless like every other shape ------------------------------------------------------------------

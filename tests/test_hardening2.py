@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_hardening import _err, _one_line
 
 from draftsmith.cli import main
 from draftsmith.testing.models import save_tiny_target, tiny_chat_corpus
@@ -32,18 +33,6 @@ def ws(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert main(["capture", "--target", str(target), "--conversations", str(convs), "--out", str(store),
                  "--max-length", "128", "--shard-mb", "0.02", "--draft-vocab-size", "64", "--no-progress"]) == 0
     return {"root": root, "target": target, "convs": convs, "store": store}
-
-
-def _err(capsys: pytest.CaptureFixture[str]) -> list[str]:
-    return [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "Loading weights" not in ln]
-
-
-def _one_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    err = _err(capsys)
-    assert len(err) == 1 and err[0].startswith("draftsmith: error:"), err
-    for n in needles:
-        assert n in err[0], err
-    return err[0]
 
 
 def _capture(ws, conv: Path, out: Path, *extra: str) -> int:

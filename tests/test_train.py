@@ -29,12 +29,8 @@ def _answer_batch(target, ids: torch.Tensor, lengths: list[int]):
                          out.hidden_state, torch.tensor(lengths))
 
 
-def test_ttt_unroll_equals_inference_drafting():
-    """Step i at column t of TTT computes what drafting token i+1 after position t computes at inference."""
-    target = tiny_target("llama")
-    drafter = new_drafter(target, draft_vocab_size=200, seed=3)
-    ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(0))
-    out, batch = _answer_batch(target, ids, [12, 9])
+def assert_unroll_equals_inference(target, drafter, ids, out, batch) -> None:
+    """TTT step i at column t equals drafting token i+1 after position t with a KV cache (float64, 1e-7)."""
     teacher = teacher_targets(batch, target.lm_head.weight, drafter.to_target_ids(torch.arange(200)), drafter.t2d)
     hidden: list[torch.Tensor] = []
     ttt_forward(drafter, batch, teacher, 4, unroll_hidden=hidden)
@@ -46,6 +42,15 @@ def test_ttt_unroll_equals_inference_drafting():
         for i in range(1, 4):
             h = drafter(h, ids[:1, col + 1 + i: col + 2 + i], torch.tensor([[col + i]]), cache)
             torch.testing.assert_close(h[0, 0], hidden[i][0, col], atol=1e-7, rtol=0)
+
+
+def test_ttt_unroll_equals_inference_drafting():
+    """Step i at column t of TTT computes what drafting token i+1 after position t computes at inference."""
+    target = tiny_target("llama")
+    drafter = new_drafter(target, draft_vocab_size=200, seed=3)
+    ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    out, batch = _answer_batch(target, ids, [12, 9])
+    assert_unroll_equals_inference(target, drafter, ids, out, batch)
 
 
 def _dense_ttt_loss(drafter, batch, teacher, ttt_steps, decay=0.8):
