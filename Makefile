@@ -34,8 +34,10 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/draftsmith demo $(if $(wildcard $(VLLM_VENV)/bin/python),--vllm-python $(VLLM_VENV)/bin/python)
 
+# One worker process per core (pytest-xdist), a test module to a worker so its fixtures are built once; each test
+# runs on one torch thread (tests/conftest.py). PYTEST_ARGS="-n 0" runs it in one process.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
 # vLLM (CPU build) in its own venv: it pins torch/transformers and drags in CUDA builds of torchvision,
 # torchaudio and torchcodec that break imports, so those are removed. Slow tests drive it in subprocesses.
