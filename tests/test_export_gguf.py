@@ -72,6 +72,36 @@ def test_gguf_keys_tensors_and_d2t(tmp_path):
     assert torch.equal(q, permute_rope(sd["layers.0.self_attn.q_proj.weight"], 9))
 
 
+@needs_smollm2
+def test_q8_0_quantizes_the_matrices_and_keeps_norms_and_d2t(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    d = smol_drafter()
+    t = {x.name: x for x in GGUFReader(export_gguf(d, tmp_path / "d.gguf", target="smollm2", dtype="q8_0").path)
+         .tensors}
+    for name in ("fc.weight", "output.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+        assert t[name].tensor_type == GGMLQuantizationType.Q8_0, name
+    assert t["blk.0.attn_norm_2.weight"].tensor_type == GGMLQuantizationType.F32
+    assert t["d2t"].data.tolist() == list(range(0, 900, 3))
+    # 8-bit blocks of the same weights: within half a step (max |w| / 127) of each block, plus the scale's f16 rounding
+    fc = d.state_dict()["fc.weight"]
+    back = torch.from_numpy(dequantize(t["fc.weight"].data, GGMLQuantizationType.Q8_0).copy()).reshape(fc.shape)
+    step = fc.reshape(-1, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((back - fc).reshape(-1, 32).abs() <= 0.6 * step).all()
+    assert not torch.equal(back, fc)  # quantized, not copied
+
+
+def test_q8_0_is_refused_outside_gguf(tmp_path):
+    d = smol_drafter()
+    d.save(tmp_path / "drafter")
+    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", "--drafter", str(tmp_path / "drafter"),
+                          "--format", "vllm", "--out", str(tmp_path / "o"), "--export-dtype", "q8_0"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "--format gguf" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
 def test_permute_rope_interleaves_each_heads_halves():
     w = torch.arange(8.0)[:, None]  # one head of dim 8: rows 0..3 rotate with rows 4..7
     assert permute_rope(w, 1).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]

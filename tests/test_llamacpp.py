@@ -142,6 +142,19 @@ def test_export_loads_drafts_and_keeps_greedy_output(world):
     assert drafted > 0  # the drafter ran (an ignored drafter would also keep the output)
 
 
+def test_q8_0_export_drafts_and_keeps_greedy_output(world, tmp_path):
+    """llama.cpp's 8-bit drafter: same output as plain, and the fitted drafter still accepts."""
+    q8 = export_gguf(world["drafter"], tmp_path / "q8.gguf", target=world["target_gguf"], dtype="q8_0").path
+    plain = LlamaCppEngine(world["target_gguf"], "plain")
+    spec = LlamaCppEngine(world["target_gguf"], "eagle3", drafter=q8, k=K)
+    accepted = 0
+    for ids in world["prompts"]:
+        a, b = plain.complete(ids, NEW_TOKENS), spec.complete(ids, NEW_TOKENS)
+        assert b.text == a.text and b.completion_tokens == a.completion_tokens
+        accepted += b.draft_n_accepted
+    assert accepted > 0
+
+
 def test_engine_acceptance_matches_draftsmith_chain(world):
     ours = SpeculativeDecoder(world["target"], world["drafter"], ChainSpec(K))
     spec = LlamaCppEngine(world["target_gguf"], "eagle3", drafter=world["gguf"], k=K)

@@ -281,8 +281,9 @@ def add_export_parsers(sub) -> None:
                         "gguf: one EAGLE-3 .gguf for llama.cpp (--model-draft; needs --target, the target's .gguf)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory (new or empty); gguf: a .gguf file, or a directory for drafter.gguf")
-    p.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
-                   help="dtype of the written weights (default bfloat16)")
+    p.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32", "q8_0"], default="bfloat16",
+                   help="dtype of the written weights (default bfloat16); q8_0: gguf only, llama.cpp's 8-bit "
+                        "blocks (a drafter call runs faster on CPUs)")
     p.add_argument("--include-embeddings", action="store_true",
                    help="also write embed_tokens.weight (engines share the target's otherwise); needs --target "
                         "unless the drafter has its own")
@@ -309,7 +310,8 @@ def add_export_parsers(sub) -> None:
     add_json_arg(p)
 
 
-EXPORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # --export-dtype -> export_drafter's names
+# --export-dtype -> export_drafter's names
+EXPORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "q8_0": "q8_0"}
 
 
 def export(args) -> int:
@@ -321,6 +323,9 @@ def export(args) -> int:
         raise UsageError("--num-speculative-tokens must be >= 1")
     if args.format == "gguf":
         return _export_gguf(args)
+    if args.export_dtype == "q8_0":
+        raise UsageError(f"--export-dtype q8_0 is for --format gguf (llama.cpp's blocks); {args.format} takes "
+                         "bfloat16, float16 or float32")
     embeddings = target_embeddings(args.target) if args.include_embeddings and args.target else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
