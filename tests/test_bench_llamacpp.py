@@ -33,6 +33,12 @@ def test_profile_splits_a_round_and_says_when_it_pays():
     report = {"target": "t.gguf", "threads": 1, "max_new_tokens": 10,
               "results": [{"dataset": "d", "prompts": 1, "methods": rows, "profile": round_profile(rows, [3])}]}
     assert "pays above tau 1.5 (measured 2.5)" in format_llamacpp_table(report)
+    assert "round 15.0 ms = verify 12.0 ms + drafter ~3.0 ms;" in format_llamacpp_table(report)
+    # a k with no n-gram row at that k: the round and its break-even, no split (and no 'None')
+    del rows["ngram k=3"]
+    report["results"][0]["profile"] = round_profile(rows, [3])
+    line = next(x for x in format_llamacpp_table(report).splitlines() if "profile k=3" in x)
+    assert line == "  profile k=3: round 15.0 ms; one plain step 10.0 ms, so EAGLE-3 pays above tau 1.5 (measured 2.5)"
 
 
 def test_bench_llamacpp_refuses_sampling():

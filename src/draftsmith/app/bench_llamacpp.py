@@ -125,9 +125,10 @@ def format_llamacpp_table(report: dict) -> str:
                          f"{m['ms_per_pass']:7.1f} {m['same_as_plain']:>6}")
         p = res["profile"]
         for key, v in p.items():
-            if key.startswith("k="):
-                lines.append(f"  profile {key}: round {v['eagle3_ms_per_round']} ms = verify "
-                             f"{v['verify_ms_per_pass']} ms + drafter ~{v['drafter_ms_per_round']} ms; one plain "
+            if key.startswith("k="):  # the split needs the n-gram row at the same k (its verify passes)
+                split = "" if v["verify_ms_per_pass"] is None else (
+                    f" = verify {v['verify_ms_per_pass']} ms + drafter ~{v['drafter_ms_per_round']} ms")
+                lines.append(f"  profile {key}: round {v['eagle3_ms_per_round']} ms{split}; one plain "
                              f"step {p['plain_ms_per_token']} ms, so EAGLE-3 pays above tau {v['break_even_tau']} "
                              f"(measured {v['tau']})")
     return "\n".join(lines)
