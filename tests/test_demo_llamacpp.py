@@ -54,6 +54,22 @@ def test_the_line_says_eagle3_pays_and_when_ngram_is_faster_still():
     assert beaten.endswith("— pays here (1.25x plain; n-gram lookup is faster, with no drafter)")
 
 
+def test_the_line_reports_the_fastest_k_measured():
+    # k=1 at 60 ms for 11 tokens beats the chain k=2's 150 ms: the line is k=1's, the n-gram row stays k=2's
+    report = llamacpp_report(150.0, 5)
+    one = EngineStats()
+    one.add(EngineRun("", 11, 60.0, 1.0, draft_n=8, draft_n_accepted=2))
+    methods = report["results"][0]["methods"]
+    methods["eagle3 k=1"] = {**one.to_dict(), "speedup": round(one.to_dict()["tokens_per_second"]
+                                                               / methods["plain"]["tokens_per_second"], 3)}
+    numbers = llamacpp_numbers(report, K)
+    assert numbers["k"] == 1 and numbers["pays"]
+    assert numbers["ngram_tok_s"] == methods[f"ngram k={K}"]["tokens_per_second"]
+    line = llamacpp_lines({**outcome(report), **numbers})[0]
+    assert "EAGLE-3 k=1 183.3 tok/s" in line and "pays here (1.67x plain" in line
+    assert llamacpp_numbers(llamacpp_report(150.0, 5), K)["k"] == K  # one k measured: that one
+
+
 def test_the_summary_prints_the_line_only_where_llama_cpp_was_measured_or_skipped():
     bench = {"results": [{"dataset": "mt-bench", "methods": {"plain": {"speedup": 1.0, "acceptance_length": 1.0},
                                                              "eagle3 chain k=2": {"speedup": 0.7,
@@ -127,7 +143,7 @@ def test_the_bench_it_runs_is_a_short_bench_engine_llamacpp_command(tmp_path):
     cmd = bench_command("smollm2", tmp_path / "best", ("mt-bench", "humaneval"), 20, 192, 5, 2, tmp_path, False)
     assert cmd[1:4] == ["-m", "draftsmith.cli", "bench"]
     args = parse_args(cmd[3:])
-    assert (args.engine, args.draft_max, args.prompt_lookup, args.turns) == ("llamacpp", "5", "5", 1)
+    assert (args.engine, args.draft_max, args.prompt_lookup, args.turns) == ("llamacpp", "1,5", "5", 1)
     assert args.limit == demo_llamacpp.LLAMACPP_PROMPTS and args.datasets == "mt-bench,humaneval"
     assert args.threads == 2 and args.max_new_tokens == 192 and args.progress is False
 

@@ -29,13 +29,20 @@ def gguf_export_command(target: str, drafter: Path, out: Path) -> str:
                        str(target), "--out", str(out)])
 
 
+def engine_ks(k: int) -> list[int]:
+    """EAGLE-3 draft lengths the stage measures: 1 and the preset's chain k. In llama.cpp a round's fixed costs
+    grow with k, so on a small target k=1 can pay where the chain k does not (docs/llamacpp.md)."""
+    return sorted({1, k})
+
+
 def bench_command(target: str, drafter: Path, datasets: tuple[str, ...], limit: int, tokens: int, k: int,
                   threads: int, out: Path, progress: bool) -> list[str]:
-    """``bench --engine llamacpp``: plain, EAGLE-3 at chain ``k`` and n-gram lookup at ``k`` (whose verify passes
-    the profile splits an EAGLE-3 round with), first turns only."""
+    """``bench --engine llamacpp``: plain, EAGLE-3 at k=1 and the chain ``k``, and n-gram lookup at ``k`` (whose
+    verify passes the profile splits an EAGLE-3 round with), first turns only."""
     return [sys.executable, "-m", "draftsmith.cli", "bench", "--engine", "llamacpp", "--target", str(target),
             "--drafter", str(drafter), "--datasets", ",".join(datasets), "--limit", str(min(limit, LLAMACPP_PROMPTS)),
-            "--turns", "1", "--max-new-tokens", str(tokens), "--draft-max", str(k), "--prompt-lookup", str(k),
+            "--turns", "1", "--max-new-tokens", str(tokens), "--draft-max", ",".join(map(str, engine_ks(k))),
+            "--prompt-lookup", str(k),
             "--threads", str(threads), "--out", str(out), *([] if progress else ["--no-progress"])]
 
 
@@ -52,8 +59,8 @@ def run_llamacpp_stage(target: str, drafter: Path, datasets: tuple[str, ...], li
     if not enabled or not available():
         return None
     out = work / "bench-llamacpp"
-    print(f"\n== llama.cpp: plain, EAGLE-3 k={k}, n-gram k={k} in the engine CPU users run ==", file=sys.stderr,
-          flush=True)
+    print(f"\n== llama.cpp: plain, EAGLE-3 k={','.join(map(str, engine_ks(k)))}, n-gram k={k} in the engine CPU "
+          "users run ==", file=sys.stderr, flush=True)
     try:
         target_gguf = llamacpp_target(target)
     except UsageError as e:
