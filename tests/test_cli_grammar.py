@@ -86,7 +86,7 @@ def test_dtype_is_the_compute_dtype_everywhere(command):
 
 def test_storage_and_export_dtypes_have_their_own_names():
     assert list(_parser_actions("capture")["--store-dtype"].choices) == ["bfloat16", "fp8"]
-    assert list(_parser_actions("export")["--export-dtype"].choices) == ["bfloat16", "float16", "float32"]
+    assert list(_parser_actions("export")["--export-dtype"].choices) == ["bfloat16", "float16", "float32", "q8_0"]
     assert "--dtype" not in _parser_actions("export")
 
 
