@@ -32,7 +32,7 @@ from draftsmith.core import vocab as vocab_mod
 from draftsmith.integrations.llamacpp import LlamaCppEngine
 from draftsmith.model.drafter import DrafterConfig, Eagle3Drafter, _init_weights
 from draftsmith.model.sources import smollm2_gguf_path
-from draftsmith.stages.export.gguf import copy_field, export_gguf, read_target_gguf
+from draftsmith.stages.export.gguf import copy_field, export_gguf, finish_gguf, read_target_gguf
 
 
 @dataclass(frozen=True)
@@ -131,13 +131,7 @@ def write_target(shape: Shape, path: Path, quant: str = "q4_0", seed: int = 0) -
         add(b + "ffn_gate.weight", shape.ffn, shape.hidden)
         add(b + "ffn_up.weight", shape.ffn, shape.hidden)
         add(b + "ffn_down.weight", shape.hidden, shape.ffn)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    finally:
-        w.close()
-    tmp.replace(path)
+    finish_gguf(w, tmp, path)
 
 
 def write_drafter(shape: Shape, target: Path, path: Path, dtype: str = "bf16", draft_vocab: int = 32000) -> None:

@@ -267,6 +267,13 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
     for name, t in tensors.items():
         arr, raw = _array(name, t, DTYPES.get(dtype, dtype))
         w.add_tensor(name, arr, raw_dtype=raw)
+    finish_gguf(w, tmp, out)
+    return GgufExportReport(format="gguf", path=out, tensors=sorted(tensors), dtype=dtype, aux_layer_ids=ids,
+                            target_arch=tgt.arch, target=str(tgt.path), draft_vocab_size=cfg.draft_vocab_size)
+
+
+def finish_gguf(w, tmp: Path, out: Path) -> None:
+    """Write a GGUFWriter's header, keys and tensors to ``tmp``, then move it to ``out``: a kill leaves no half file."""
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -274,8 +281,6 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
     finally:
         w.close()
     os.replace(tmp, out)
-    return GgufExportReport(format="gguf", path=out, tensors=sorted(tensors), dtype=dtype, aux_layer_ids=ids,
-                            target_arch=tgt.arch, target=str(tgt.path), draft_vocab_size=cfg.draft_vocab_size)
 
 
 def copy_field(w, field, name: str | None = None) -> None:
