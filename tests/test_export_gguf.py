@@ -144,6 +144,19 @@ def test_refuses_target_of_other_width_or_vocab():
         check_servable(ckpt, {}, dataclasses.replace(fake_target(), vocab_size=32000))
 
 
+@needs_smollm2
+def test_cli_serve_line_takes_the_chain_length_and_says_how_to_measure_it(tmp_path):
+    d = smol_drafter()
+    d.save(tmp_path / "drafter")
+    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", "--drafter", str(tmp_path / "drafter"),
+                          "--format", "gguf", "--target", "smollm2", "--out", str(tmp_path / "o.gguf"),
+                          "--num-speculative-tokens", "1"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    serve = next(line for line in run.stdout.splitlines() if line.startswith("serve: "))
+    assert "--draft-max 1 " in serve and str(tmp_path / "o.gguf") in serve
+    assert "bench --engine llamacpp" in run.stdout and "--draft-max 1,2,3" in run.stdout
+
+
 def test_cli_gguf_needs_target_gguf(tmp_path):
     d = smol_drafter()
     d.save(tmp_path / "drafter")

@@ -293,7 +293,8 @@ def add_export_parsers(sub) -> None:
     p.add_argument("--verifier", default=None, metavar="NAME_OR_PATH",
                    help="speculators: the target vLLM serves (Hugging Face id or directory); default --target")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
-                   help="speculators: draft tokens per step written into the config (default 3)")
+                   help="draft tokens per step: speculators writes it into the config; the printed serve line "
+                        "uses it (gguf: llama.cpp's --draft-max) (default 3)")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
     add_json_arg(p)
 
@@ -349,7 +350,7 @@ def _export_gguf(args) -> int:
         raise UsageError("--format gguf shares the target's embedding (llama.cpp reads it from the target GGUF); "
                          "drop --include-embeddings")
     report = export_gguf(args.drafter, args.out, target=args.target, dtype=EXPORT_DTYPES[args.export_dtype],
-                         overwrite=args.force)
+                         num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0
 

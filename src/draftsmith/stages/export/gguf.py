@@ -68,12 +68,18 @@ class GgufExportReport:
     target_arch: str
     target: str
     draft_vocab_size: int
+    num_speculative_tokens: int = 3  # the serve line's --draft-max
 
     def summary(self) -> str:
+        # Which k pays depends on the machine and the drafter (on CPUs a round's verify pass costs more than a
+        # step), so the summary says how to measure it rather than guessing.
+        bench = ["draftsmith", "bench", "--engine", "llamacpp", "--target", self.target, "--drafter",
+                 str(self.path), "--draft-max", "1,2,3", "--prompt-lookup", "3"]
         return "\n".join([
             f"exported gguf drafter to {self.path} ({len(self.tensors)} tensors, {self.dtype}, arch eagle3)",
             f"aux layer ids: {self.aux_layer_ids} (input of layer L; llama.cpp's eagle3.target_layers)",
-            f"serve: {shlex.join(llama_server_argv(self.target, str(self.path)))}",
+            f"serve: {shlex.join(llama_server_argv(self.target, str(self.path), self.num_speculative_tokens))}",
+            f"which --draft-max pays here: {shlex.join(bench)}",
         ])
 
     def to_dict(self) -> dict:
@@ -225,7 +231,8 @@ def _setup(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path) -> tuple[Dra
 
 
 def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: str | Path, *,
-                target: str | Path, dtype: str = "bf16", overwrite: bool = False) -> GgufExportReport:
+                target: str | Path, dtype: str = "bf16", num_speculative_tokens: int = 3,
+                overwrite: bool = False) -> GgufExportReport:
     """Write ``drafter`` as one EAGLE-3 GGUF file for llama.cpp; ``target`` is the target's GGUF (or 'smollm2')."""
     from gguf import GGUFWriter
 
@@ -269,7 +276,8 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
         w.add_tensor(name, arr, raw_dtype=raw)
     finish_gguf(w, tmp, out)
     return GgufExportReport(format="gguf", path=out, tensors=sorted(tensors), dtype=dtype, aux_layer_ids=ids,
-                            target_arch=tgt.arch, target=str(tgt.path), draft_vocab_size=cfg.draft_vocab_size)
+                            target_arch=tgt.arch, target=str(tgt.path), draft_vocab_size=cfg.draft_vocab_size,
+                            num_speculative_tokens=num_speculative_tokens)
 
 
 def finish_gguf(w, tmp: Path, out: Path) -> None:
