@@ -174,6 +174,8 @@ def test_readme_is_short_and_covers_the_user_journeys():
         "README: no CUDA install (torch from the CUDA index)"
     assert re.search(r"^torchrun .*-m draftsmith\.cli train", text, re.M), "README: no torchrun line"
     assert re.search(r"^vllm serve ", text, re.M), "README: no `vllm serve` line"
+    assert any(a[:1] == ["export"] and "gguf" in a for a in commands), "README: no llama.cpp (GGUF) export"
+    assert any(a[:1] == ["bench"] and "llamacpp" in a for a in commands), "README: no llama.cpp bench"
     assert "<!-- bench:start -->" in text and "<!-- bench:end -->" in text, "README: the bench table's markers"
 
 
