@@ -43,8 +43,19 @@ _HF_CLASS_TO_GGUF = {
 
 # Drafter config switches the engine reads, and EAGLE-3.1 ones it does not (a drafter trained with one of these on
 # would be served without it: wrong drafts, no error).
+# fc_norm is one of them: the graph has no per-state norm before fc, and a drafter GGUF holding fc_norm.{i} tensors is
+# refused at load ("wrong number of tensors").
 READS_NORMS = ("norm_before_residual",)
-UNREAD_NORMS = ("norm_before_fc", "norm_output")
+UNREAD_NORMS = ("norm_before_fc", "fc_norm", "norm_output")
+
+# The drafter GGUF's tensors: every one of these must be there ("check_tensor_dims: tensor 'fc.weight' not found"),
+# and no other than these and the optional ones ("done_getting_tensors: wrong number of tensors"). d2t may be left
+# out when the draft vocabulary is the target's (output.weight then has a row per target token); token_embd only
+# when the drafter has its own embedding.
+DRAFTER_TENSORS = frozenset({"fc.weight", "output_norm.weight", "output.weight", *(
+    f"blk.0.{n}.weight" for n in ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_output",
+                                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"))})
+OPTIONAL_DRAFTER_TENSORS = frozenset({"d2t", "token_embd.weight"})
 
 
 def gguf_arch(model_type: str | None = None, architecture: str | None = None) -> str | None:

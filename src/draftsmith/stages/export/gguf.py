@@ -25,6 +25,7 @@ import torch
 from draftsmith import __version__
 from draftsmith.core import llamacpp_facts as facts
 from draftsmith.core.conventions import ConventionError, to_llamacpp_layer_ids
+from draftsmith.core.gguf_file import GgufFileError, open_gguf
 from draftsmith.model.drafter import Eagle3Drafter
 from draftsmith.stages.export.checkpoint import DTYPES, DrafterCheckpoint, ExportError
 from draftsmith.stages.export.readers import read_checkpoint
@@ -94,8 +95,6 @@ def llama_server_argv(target: str, drafter: str, k: int = 3) -> list[str]:
 
 def read_target_gguf(target: str | Path) -> TargetGguf:
     """The target GGUF's architecture, sizes and tokenizer; 'smollm2' names the embedded default's GGUF."""
-    from gguf import GGUFReader
-
     from draftsmith.model.sources import EMBEDDED_DEFAULT, smollm2_gguf_path
 
     path = smollm2_gguf_path() if str(target) == EMBEDDED_DEFAULT else Path(target).expanduser()
@@ -109,9 +108,9 @@ def read_target_gguf(target: str | Path) -> TargetGguf:
         raise ExportError(f"{target}: the gguf format needs the target's .gguf file (llama.cpp serves it and its "
                           "tokenizer goes into the draft)")
     try:
-        reader = GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ExportError(f"{path}: not a readable GGUF ({' '.join(str(e).split())})") from e
+        reader = open_gguf(path)
+    except GgufFileError as e:
+        raise ExportError(str(e)) from e
 
     def get(key: str):
         field = reader.fields.get(key)
@@ -176,9 +175,12 @@ def gguf_tensors(ckpt: DrafterCheckpoint) -> dict[str, torch.Tensor]:
                 t = permute_rope(t, cfg.num_attention_heads)
             elif short == "self_attn.k_proj.weight":
                 t = permute_rope(t, cfg.num_key_value_heads)
-            out["blk.0." + _LAYER_NAMES[short]] = t
+            gguf_name = "blk.0." + _LAYER_NAMES[short] if short in _LAYER_NAMES else None
         else:
-            out[_TOP_NAMES[name]] = t
+            gguf_name = _TOP_NAMES.get(name)
+        if gguf_name is None:  # check_servable refuses what llama.cpp does not read; this is the backstop
+            raise ExportError(f"the drafter's tensor {name} has no place in llama.cpp's EAGLE-3 graph")
+        out[gguf_name] = t
     if cfg.draft_vocab_size != cfg.vocab_size:  # no d2t: the engine scores the whole vocabulary directly
         d2t = ckpt.state["d2t"].to(torch.int64)
         out["d2t"] = torch.arange(d2t.numel(), dtype=torch.int64) + d2t
@@ -211,8 +213,9 @@ def _array(name: str, t: torch.Tensor, dtype: torch.dtype | str):
     return t.detach().to(torch.bfloat16).view(torch.int16).numpy(), GGMLQuantizationType.BF16
 
 
-def _setup(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path) -> tuple[DrafterCheckpoint, dict]:
-    """The checkpoint and the raw config switches (EAGLE-3.1 norms may live only in config.json)."""
+def read_drafter(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path) -> tuple[DrafterCheckpoint, dict]:
+    """The checkpoint, validated, and its config switches (EAGLE-3.1 norms may live only in config.json); doctor
+    --engine llamacpp reads a drafter directory through here too, so that it refuses what the export refuses."""
     switches: dict = {}
     if isinstance(drafter, Eagle3Drafter):
         ckpt = DrafterCheckpoint.from_drafter(drafter)
@@ -238,14 +241,11 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
 
     if dtype not in GGUF_DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(GGUF_DTYPES)}")
-    ckpt, switches = _setup(drafter)
+    check_draft_max(num_speculative_tokens, "--num-speculative-tokens")
+    ckpt, switches = read_drafter(drafter)
     tgt = read_target_gguf(target)
     ids = check_servable(ckpt, switches, tgt)
-    out = Path(out)
-    if out.is_dir() or out.suffix != ".gguf":
-        out = out / "drafter.gguf"
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out}: exists (pass --force to replace it)")
+    out = gguf_out_path(out, drafter if isinstance(drafter, (str, Path)) else None, tgt.path, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = ckpt.config
     tensors = gguf_tensors(ckpt)
@@ -278,6 +278,48 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
     return GgufExportReport(format="gguf", path=out, tensors=sorted(tensors), dtype=dtype, aux_layer_ids=ids,
                             target_arch=tgt.arch, target=str(tgt.path), draft_vocab_size=cfg.draft_vocab_size,
                             num_speculative_tokens=num_speculative_tokens)
+
+
+def check_draft_max(k: int, flag: str) -> None:
+    """llama.cpp's --draft-max, bounded as decode bounds --chain: past a few dozen tokens nothing is accepted, and a
+    huge k only makes the engine allocate and loop for it."""
+    from draftsmith.stages.decode import MAX_DRAFT_LENGTH
+
+    if not 1 <= k <= MAX_DRAFT_LENGTH:
+        raise ExportError(f"{flag} must be between 1 and {MAX_DRAFT_LENGTH} (acceptance dies out long before), "
+                          f"got {k}")
+
+
+def gguf_out_path(out: str | Path, source: str | Path | None, target: Path, overwrite: bool) -> Path:
+    """Where the drafter GGUF goes: ``out`` (a .gguf) or ``out/drafter.gguf``; never the target, never inside the
+    drafter's own directory, and with ``overwrite`` it replaces only another EAGLE-3 drafter GGUF."""
+    out = Path(out).expanduser()
+    if out.is_dir() or out.suffix != ".gguf":
+        out = out / "drafter.gguf"
+    blocker = next((p for p in out.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ExportError(f"{out}: {blocker} is not a directory")
+    if out.resolve() == target.resolve() or (out.exists() and out.samefile(target)):
+        raise ExportError(f"{out}: that is the target GGUF; the drafter goes in a file of its own")
+    if source is not None and Path(source).is_dir() and out.resolve().is_relative_to(Path(source).resolve()):
+        raise ExportError(f"{out}: inside the drafter's own directory {source}; write the export elsewhere")
+    if out.exists():
+        if not overwrite:
+            raise ExportError(f"{out}: exists (pass --force to replace it)")
+        arch = _gguf_arch(out)
+        if arch not in (None, facts.GGUF_ARCH):
+            raise ExportError(f"{out}: a GGUF of architecture {arch}, not an EAGLE-3 drafter; --force replaces only "
+                              "a drafter GGUF")
+    return out
+
+
+def _gguf_arch(path: Path) -> str | None:
+    """A GGUF's general.architecture (None: not a readable GGUF: a damaged export may be replaced)."""
+    try:
+        field = open_gguf(path).fields.get("general.architecture")
+    except GgufFileError:
+        return None
+    return None if field is None else str(field.contents())
 
 
 def finish_gguf(w, tmp: Path, out: Path) -> None:
