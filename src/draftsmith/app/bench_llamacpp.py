@@ -11,6 +11,7 @@ n-gram rounds, whose drafting costs ~nothing) and the drafter's share (the rest 
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,13 +57,18 @@ def engine_methods(ks: Sequence[int], ngram_ks: Sequence[int]) -> list[tuple[str
 
 def run_llamacpp_bench(target_gguf: str | Path, drafter_gguf: str | Path, tokenizer, prompt_sets: dict,
                        ks: Sequence[int], ngram_ks: Sequence[int] = (3,), max_new_tokens: int = 128,
-                       threads: int = 1, progress: bool = True) -> dict:
-    """Decode every prompt with every method (interleaved); return a JSON-able report."""
+                       threads: int = 1, progress: bool = True, verbose: bool = False) -> dict:
+    """Decode every prompt with every method (interleaved); return a JSON-able report. ``verbose``: llama.cpp's
+    own log on stderr (model loading, every request: dozens of lines a run)."""
     if not ks:
         raise UsageError("bench --engine llamacpp needs at least one --chain k")
     methods = engine_methods(ks, ngram_ks)
-    engines = {name: LlamaCppEngine(target_gguf, mode, drafter=drafter_gguf if mode == "eagle3" else None,
-                                    k=max(k, 1), threads=threads) for name, mode, k in methods}
+    try:
+        engines = {name: LlamaCppEngine(target_gguf, mode, drafter=drafter_gguf if mode == "eagle3" else None,
+                                        k=max(k, 1), threads=threads, verbose=verbose) for name, mode, k in methods}
+    except RuntimeError as e:  # what the checks before did not foresee: llama.cpp's own refusal, on one line
+        raise UsageError(f"llama.cpp could not load {target_gguf} with {drafter_gguf} ({e}); run with --verbose to "
+                         "see its log") from e
     for e in engines.values():  # warm-up: first-call costs land on no method
         e.complete(tokenizer("Hi")["input_ids"], 4)
     report = {"engine": "llamacpp", "target": str(target_gguf), "drafter": str(drafter_gguf), "threads": threads,
@@ -86,7 +92,7 @@ def run_llamacpp_bench(target_gguf: str | Path, drafter_gguf: str | Path, tokeni
                         stats[name].identical += r.text == plain_text
                     histories[name] = msgs + [{"role": "assistant", "content": r.text}]
             if progress:
-                print(f"llamacpp bench {dataset}: {i + 1}/{len(prompts)}", end="\r", flush=True)
+                print(f"llamacpp bench {dataset}: {i + 1}/{len(prompts)}", end="\r", file=sys.stderr, flush=True)
         rows = {name: s.to_dict() for name, s in stats.items()}
         plain = rows["plain"]["tokens_per_second"]
         for row in rows.values():
@@ -149,35 +155,84 @@ def llamacpp_target(target: str | Path) -> Path:
     return path
 
 
+# bench's flags that only the draftsmith engine uses, with their defaults: given with --engine llamacpp, refused
+# rather than silently dropped.
+UNUSED_FLAGS = (("tree", "--tree", None), ("shape", "--shape", None), ("hybrid", "--hybrid", None),
+                ("hybrid_min_ngram", "--hybrid-min-ngram", None), ("readme", "--readme", None),
+                ("readme_section", "--readme-section", "bench"), ("dtype", "--dtype", None),
+                ("device", "--device", "auto"), ("aux_layers", "--aux-layers", None))
+
+
+def check_llamacpp_args(args) -> tuple[list[int], list[int]]:
+    """The EAGLE-3 and n-gram draft lengths to measure, after refusing what this engine cannot honour."""
+    from draftsmith.app.args import parse_ints
+    from draftsmith.stages.export.gguf import check_draft_max
+
+    given = [flag for dest, flag, default in UNUSED_FLAGS if getattr(args, dest, default) not in (
+        default, *(("cpu",) if dest == "device" else ()))]
+    if given:
+        raise UsageError(f"bench --engine llamacpp does not use {', '.join(given)} (the draftsmith engine's); drop "
+                         f"{'them' if len(given) > 1 else 'it'}")
+    if args.draft_max is not None and args.chain is not None:
+        raise UsageError("bench --engine llamacpp: give --draft-max (its chain lengths) or --chain, not both")
+    ks = parse_ints(args.draft_max) or [args.chain or 3]
+    for k in ks:
+        check_draft_max(k, "--draft-max")
+    ngram_ks = [k for k in (parse_ints(args.prompt_lookup) or []) if k]
+    if args.threads < 1:
+        raise UsageError(f"--threads takes a number >= 1, got {args.threads}")
+    if args.temperature not in ("0", "0.0"):
+        raise UsageError("bench --engine llamacpp measures greedy decoding only (--temperature 0)")
+    out = Path(args.out)
+    blocker = next((p for p in (out, *out.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise UsageError(f"--out {args.out}: {blocker} exists and is not a directory (bench-llamacpp.json and "
+                         "bench-llamacpp.txt go in the --out directory)")
+    return ks, ngram_ks
+
+
+def check_llamacpp_pair(target: str | Path, drafter: str | Path) -> None:
+    """doctor --engine llamacpp's checks, before llama.cpp sees the files: what it would refuse at load, or abort
+    the whole process on at the first decode (a drafter for another target), ends in one line here instead."""
+    from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+
+    report = diagnose_llamacpp(target, drafter)
+    errors = [f for f in report.findings if f.severity == "error"]
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise UsageError(f"llama.cpp cannot run this pair: {errors[0].id}: {errors[0].message}{more}; "
+                         f"doctor --engine llamacpp --target {target} --drafter {drafter} says more")
+
+
 def bench_llamacpp_command(args) -> int:
-    """The CLI's ``bench --engine llamacpp``: resolve the GGUFs and tokenizer, measure, write bench-llamacpp.json."""
+    """The CLI's ``bench --engine llamacpp``: check the flags and the GGUFs, measure, write bench-llamacpp.json."""
     import json
-    import sys
     import tempfile
 
-    from draftsmith.app.args import parse_ints
-    from draftsmith.app.bench import check_bench_args
+    from draftsmith.app.bench import check_bench_args, warn_leaks
+    from draftsmith.core.io import atomic_write
     from draftsmith.integrations.llamacpp import available
     from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2
 
     if not available():
         raise UsageError("bench --engine llamacpp needs xllamacpp: pip install 'draftsmith[llamacpp]'")
-    ks = parse_ints(args.draft_max) or [args.chain or 3]
-    ngram_ks = [k for k in (parse_ints(args.prompt_lookup) or []) if k]
-    if any(k < 1 for k in ks) or args.threads < 1:
-        raise UsageError("--draft-max and --threads take numbers >= 1")
-    if args.temperature not in ("0", "0.0"):
-        raise UsageError("bench --engine llamacpp measures greedy decoding only (--temperature 0)")
+    ks, ngram_ks = check_llamacpp_args(args)
     target_gguf = llamacpp_target(args.target)
+    prompt_sets = check_bench_args([d for d in args.datasets.split(",") if d], [0.0], limit=args.limit,
+                                   turns=args.turns, max_new_tokens=args.max_new_tokens, prompt_lookup_ks=ngram_ks)
+    check_llamacpp_pair(args.target, args.drafter)
     if str(args.target) == EMBEDDED_DEFAULT:
         tok_dir, tok_kw = ensure_smollm2(), {}
     else:
         tok_dir, tok_kw = target_gguf.parent, {"gguf_file": target_gguf.name}
-    prompt_sets = check_bench_args([d for d in args.datasets.split(",") if d], [0.0], limit=args.limit,
-                                   turns=args.turns, max_new_tokens=args.max_new_tokens, prompt_lookup_ks=ngram_ks)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir, **tok_kw)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, **tok_kw)
+    except Exception as e:  # noqa: BLE001 - transformers' GGUF tokenizer parser on a file it cannot take
+        raise UsageError(f"{target_gguf}: transformers cannot read its tokenizer, which bench renders the prompts "
+                         f"with ({type(e).__name__}: {e})") from e
+    leaked = warn_leaks(prompt_sets, args.train_conversations)
     with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
         drafter = Path(args.drafter)
         if drafter.suffix != ".gguf":
@@ -185,12 +240,13 @@ def bench_llamacpp_command(args) -> int:
 
             drafter = export_gguf(drafter, Path(tmp) / "drafter.gguf", target=target_gguf, dtype="fp32").path
         report = run_llamacpp_bench(target_gguf, drafter, tokenizer, prompt_sets, ks, ngram_ks,
-                                    args.max_new_tokens, args.threads, args.progress)
+                                    args.max_new_tokens, args.threads, args.progress, verbose=args.verbose)
+    report.update({"leaked_prompts": leaked} if leaked else {})  # as bench's own report says it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench-llamacpp.json").write_text(json.dumps(report, indent=1))
     table = format_llamacpp_table(report)
-    (out / "bench-llamacpp.txt").write_text(table + "\n")
-    print(table)
+    atomic_write(out / "bench-llamacpp.json", json.dumps(report, indent=1).encode())
+    atomic_write(out / "bench-llamacpp.txt", (table + "\n").encode())
+    print(json.dumps(report) if args.json else table)
     print(f"wrote {out / 'bench-llamacpp.json'}, {out / 'bench-llamacpp.txt'}", file=sys.stderr)
     return 0

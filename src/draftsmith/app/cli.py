@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-max", default=None, metavar="K[,K...]",
                    help="llamacpp: EAGLE-3 chain lengths to measure (llama.cpp's --draft-max; default --chain or 3)")
     p.add_argument("--threads", type=int, default=1, help="llamacpp: CPU threads per engine (default 1)")
+    p.add_argument("--verbose", action="store_true", help="llamacpp: show llama.cpp's own log on stderr (model "
+                   "loading and every request; quiet by default)")
     add_progress_arg(p)
     add_json_arg(p)
 
@@ -156,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     keep_freed_memory()  # the commands below run the models (core/allocator.py says why)
     try:
-        if getattr(args, "device", None) is not None:  # train resolves its own (config files name it too)
+        # train resolves its own device (config files name it too); llama.cpp's bench runs on the CPU and refuses
+        # a --device it was given.
+        if getattr(args, "device", None) is not None and getattr(args, "engine", None) != "llamacpp":
             from draftsmith.core.device import resolve_device
 
             args.device = resolve_device(args.device)

@@ -50,7 +50,7 @@ class LlamaCppEngine:
     """A llama.cpp server in this process for one target and one drafting mode (plain, eagle3, ngram)."""
 
     def __init__(self, model: str | Path, mode: str = "plain", *, drafter: str | Path | None = None, k: int = 3,
-                 threads: int = 1, n_ctx: int = 2048):
+                 threads: int = 1, n_ctx: int = 2048, verbose: bool = False):
         import xllamacpp as x
 
         if mode not in MODES:
@@ -61,6 +61,8 @@ class LlamaCppEngine:
         p.model.path = str(model)
         p.n_ctx, p.n_parallel, p.warmup = n_ctx, 1, False
         p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads
+        if not verbose:  # llama.cpp logs model loading and every request at its default (3); 0 keeps its errors
+            p.verbosity = 0
         spec = p.speculative
         if mode == "eagle3":
             spec.types = [x.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3]
