@@ -143,6 +143,34 @@ def test_fuse_norms_as_the_field_defines_them():
     assert d.input_norm.weight.shape == (3 * target.hidden_size,)
 
 
+@pytest.mark.parametrize("variant", ["eagle3", *sorted(VARIANTS)])
+def test_norm_output_as_the_field_defines_it(variant):
+    """norm_output (speculators; vLLM's llama_eagle3.py hands on ``hidden_states if norm_output else
+    hidden_prenorm``): a step hands on the final norm of the layer's output, the next step's g is that normed
+    state, and the head reads the norm once. EAGLE-3 hands on the pre-norm output. Written out by hand from the
+    decoder layer, the final norm's weight and the head, so it does not go through ``output_state``."""
+    target = tiny_target("llama", torch.float32, num_hidden_layers=LAYERS)
+    d = new_drafter(target, seed=4, **VARIANTS.get(variant, {}))
+    _jitter_norms(d)
+    ids = torch.randint(3, 250, (1, 9), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(ids.shape[1])[None]
+
+    def rms(x, w, eps=d.config.rms_norm_eps):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def handed_on(prenorm):
+        return rms(prenorm, d.norm.weight) if variant != "eagle3" else prenorm
+
+    with torch.no_grad():
+        g = d.fuse(target(ids).aux_hidden_states)
+        h1 = d.layer(g, d.embed(ids), *d.rope(pos), None, None)  # step 1's layer output, before the final norm
+        h2 = d.layer(handed_on(h1)[:, :-1], d.embed(ids[:, 1:]), *d.rope(pos[:, 1:] + 1), None, None)
+        want = torch.cat([d.lm_head(rms(h1, d.norm.weight)), d.lm_head(rms(h2, d.norm.weight))], dim=1)
+        torch.testing.assert_close(d(g, ids, pos), handed_on(h1))
+        torch.testing.assert_close(_two_step_logits(d, target, ids), want)
+    assert d.config.norm_output is (variant != "eagle3")
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_ttt_unroll_equals_inference_drafting(variant):
     """The trainer's unroll computes what the decoder drafts, with the 3.1 feedback (normed state) too."""

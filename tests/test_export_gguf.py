@@ -42,13 +42,24 @@ def fake_target(arch="llama", layers=30, hidden=576, vocab=49152) -> TargetGguf:
                       tokenizer_fields=[])
 
 
-@needs_smollm2
-def test_gguf_keys_tensors_and_d2t(tmp_path):
+@pytest.fixture(scope="module")
+def fp32_export(tmp_path_factory):
+    """(drafter, a GGUFReader of its fp32 export): written and read once (5 s) for the tests of the layout."""
     from gguf import GGUFReader
 
     d = smol_drafter()
-    path = export_gguf(d, tmp_path / "d.gguf", target="smollm2", dtype="fp32").path
-    r = GGUFReader(path)
+    return d, GGUFReader(export_gguf(d, tmp_path_factory.mktemp("gguf") / "d.gguf", target="smollm2",
+                                     dtype="fp32").path)
+
+
+def gguf_matrix(tensors: dict, name: str, rows: int) -> torch.Tensor:
+    """A GGUF matrix back in torch's [out, in] order."""
+    return torch.from_numpy(tensors[name].data.copy()).reshape(rows, -1)
+
+
+@needs_smollm2
+def test_gguf_keys_tensors_and_d2t(fp32_export):
+    d, r = fp32_export
     f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("GGUF.")}
     assert f["general.architecture"] == "eagle3"
     assert f["eagle3.target_layers"] == [2, 15, 27]  # input of layer L: draftsmith's own numbers, unchanged
@@ -68,8 +79,53 @@ def test_gguf_keys_tensors_and_d2t(tmp_path):
     # hidden_norm -> attn_norm_2, and q rows in llama.cpp's interleaved rope order
     sd = d.state_dict()
     assert torch.equal(torch.from_numpy(t["blk.0.attn_norm_2.weight"].data.copy()), sd["layers.0.hidden_norm.weight"])
-    q = torch.from_numpy(t["blk.0.attn_q.weight"].data.copy()).reshape(576, 1152)
+    q = gguf_matrix(t, "blk.0.attn_q.weight", 576)
     assert torch.equal(q, permute_rope(sd["layers.0.self_attn.q_proj.weight"], 9))
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's interleaved rows back to Hugging Face's rotate-half order, written independently of
+    ``permute_rope``: in each head, GGUF rows 2i and 2i+1 are the HF rows i and i + head_dim/2."""
+    head = w.shape[0] // n_head
+    out = torch.empty_like(w)
+    for h in range(n_head):
+        for i in range(head // 2):
+            out[h * head + i] = w[h * head + 2 * i]
+            out[h * head + head // 2 + i] = w[h * head + 2 * i + 1]
+    return out
+
+
+def rope_adjacent_pairs(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """llama.cpp's rope for llama-family graphs (ggml's normal mode): dims (2i, 2i+1) rotate by pos * theta^(-2i/d).
+    ``x``: [T, heads, head_dim]."""
+    d = x.shape[-1]
+    ang = pos[:, None, None].double() * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    x0, x1 = x[..., 0::2].double(), x[..., 1::2].double()
+    return torch.stack([x0 * ang.cos() - x1 * ang.sin(), x0 * ang.sin() + x1 * ang.cos()], -1).flatten(-2)
+
+
+@needs_smollm2
+def test_gguf_q_and_k_rows_attend_under_llamacpps_rope_as_the_drafter_does(fp32_export):
+    """Both q and k rows are permuted (a k left in HF order ropes the wrong pairs in llama.cpp): un-permuted they
+    are the drafter's weights, and llama.cpp's pairwise rope on them gives the drafter's attention scores."""
+    d, r = fp32_export
+    t = {x.name: x for x in r.tensors}
+    cfg, sd = d.config, d.state_dict()
+    q, k = gguf_matrix(t, "blk.0.attn_q.weight", 576), gguf_matrix(t, "blk.0.attn_k.weight", 192)
+    assert torch.equal(unpermute_rows(q, 9), sd["layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(unpermute_rows(k, 3), sd["layers.0.self_attn.k_proj.weight"])
+    # Scores at scattered positions: the drafter's rotate-half rope on its own weights against llama.cpp's
+    # adjacent-pair rope on the GGUF's (q heads 0-2 read kv head 0, 3-5 head 1, 6-8 head 2).
+    x = torch.randn(5, 2 * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([0, 3, 17, 90, 400])
+    cos, sin = d.rope(pos[None])
+    with torch.no_grad():
+        want_q, want_k, _ = d.layer.self_attn.qkv(x[None], cos, sin)
+    want = want_q[0] @ want_k[0].repeat_interleave(3, 0).transpose(-1, -2)  # [heads, T, T]
+    gq = rope_adjacent_pairs((x @ q.T).view(5, 9, 64), pos, cfg.rope_theta).transpose(0, 1)
+    gk = rope_adjacent_pairs((x @ k.T).view(5, 3, 64), pos, cfg.rope_theta).transpose(0, 1)
+    got = gq @ gk.repeat_interleave(3, 0).transpose(-1, -2)
+    torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
 
 
 @needs_smollm2

@@ -116,6 +116,25 @@ def test_logits_to_probs_filters():
     torch.testing.assert_close(p, (logits / 0.5).softmax(-1))
 
 
+def test_top_k_keeps_exactly_the_k_largest_and_ties_at_the_kth():
+    """Top-k keeps the k largest logits, the k-th included, renormalized among themselves. A tie at the k-th
+    value keeps every tied token (Hugging Face's TopKLogitsWarper and vLLM drop only ``logits < kth``): which of
+    equal logits survives must not hang on its token id."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0, 1.0])
+    for k in range(1, 5):
+        p = logits_to_probs(logits, SamplingParams(temperature=0.7, top_k=k))
+        keep = logits.argsort(descending=True)[:k]
+        want = torch.zeros(5)
+        want[keep] = (logits[keep] / 0.7).softmax(-1)
+        torch.testing.assert_close(p, want)
+        assert (p > 0).sum() == k and p[keep[-1]] > 0  # the k-th largest keeps its mass
+    ties = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    p = logits_to_probs(ties, SamplingParams(temperature=1.0, top_k=2))
+    kept = torch.tensor([3.0, 2.0, 2.0]).exp()  # the top one and both tokens tied for second
+    torch.testing.assert_close(p[0], torch.cat([torch.zeros(1), kept / kept.sum(), torch.zeros(1)]))
+    torch.testing.assert_close(p[1], torch.full((5,), 0.2))  # all equal: nothing is cut
+
+
 def test_draft_q_sits_at_the_target_ids():
     """A sampled draft's q lives over the draft vocabulary; the accept step reads it at target ids (via d2t)."""
     drafter = new_drafter(flat_target(), draft_vocab=vocab_mod.from_target_ids(DRAFT_IDS, V), seed=0)
