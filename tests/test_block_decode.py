@@ -36,7 +36,7 @@ def test_random_block_drafters_equal_plain_greedy(arch):
     for kind, overrides in KINDS.items():
         drafter = new_block_drafter(target, kind, seed=1, **overrides)
         decoder = SpeculativeDecoder(target, drafter)
-        assert decoder.spec == BlockSpec(drafter.config.num_drafts)
+        assert decoder.spec == BlockSpec(drafter.config.num_drafts, kind)
         for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
             r = decoder.generate(p, NEW_TOKENS)
             assert r.token_ids == ref, f"{arch} {kind}: prompt {i} diverged"
@@ -47,10 +47,10 @@ def test_random_block_drafters_equal_plain_greedy(arch):
 @functools.cache
 def fitted(kind: str):
     target = block_target("llama")
-    prompts = random_prompts(24, seed=11, max_len=12)
+    prompts = random_prompts(16, seed=11, max_len=12)
     plain = SpeculativeDecoder(target)
     seqs = [p + plain.generate(p, 24).token_ids for p in prompts]
-    return fit_block_drafter(target, seqs, kind, steps=60, **KINDS[kind]), prompts
+    return fit_block_drafter(target, seqs, kind, steps=40, num_hidden_layers=1, **KINDS[kind]), prompts
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -97,8 +97,8 @@ def peaked_reduced_block_drafter(kind: str):
     plain = SpeculativeDecoder(target)
     prompts = [[3, 7, 5, *torch.randint(1, V, (1,), generator=g).tolist()] for _ in range(16)]
     seqs = [p + plain.generate(p, 10, SamplingParams(1.0), generator=g).token_ids for p in prompts]
-    overrides = {"block_size": 3, **({"markov_rank": 8} if kind == "dspark" else {})}
-    full = fit_block_drafter(target, seqs, kind, steps=40, **overrides)
+    overrides = {"block_size": 3, "num_hidden_layers": 1, **({"markov_rank": 8} if kind == "dspark" else {})}
+    full = fit_block_drafter(target, seqs, kind, steps=25, **overrides)
     dv = vocab_mod.from_target_ids(DRAFT_IDS, V)
     drafter = new_block_drafter(target, kind, draft_vocab=dv, **overrides)
     state = full.state_dict()

@@ -21,9 +21,11 @@ from draftsmith.model.block_drafter import MAX_BLOCK_SIZE, BlockCache, BlockDraf
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """Drafts per block; None: all the drafter was trained to draft (``num_drafts``)."""
+    """Drafts per block; None: all the drafter was trained to draft (``num_drafts``). ``kind`` names the drafter
+    in reports (set by ``resolve_block_spec``)."""
 
     k: int | None = None
+    kind: str = "block"
 
     def __post_init__(self):
         if self.k is not None and not 1 <= self.k <= MAX_BLOCK_SIZE:
@@ -48,7 +50,7 @@ def resolve_block_spec(drafter: BlockDrafter, target, spec: BlockSpec | None) ->
     if k > most:
         raise UsageError(f"this {drafter.kind} drafter drafts at most {most} tokens a block (block_size "
                          f"{drafter.config.block_size}), not {k}")
-    return BlockSpec(k)
+    return BlockSpec(k, drafter.kind)
 
 
 def new_block_cache(drafter: BlockDrafter) -> BlockCache:
