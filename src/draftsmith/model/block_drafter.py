@@ -558,4 +558,9 @@ def load_block_drafter(path: str | Path, target=None, *, device=None, dtype: tor
     if target is not None:
         attach(drafter, target)
         device, dtype = device or target.device, dtype or target.dtype
-    return drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+    drafter = drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+    if target is not None and getattr(target, "packed", False):  # as load_drafter: packed where the target is
+        from draftsmith.model.packing import pack_linears
+
+        pack_linears(drafter)
+    return drafter
