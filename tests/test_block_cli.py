@@ -64,10 +64,11 @@ def test_decode_kind_errors_are_one_line_exit_2(dirs, capsys, args, message):
 def test_bench_block_drafter_reports_per_position_acceptance(dirs, capsys, tmp_path):
     code, _, err = _run(capsys, "bench", "--target", str(dirs / "model"), "--drafter", str(dirs / "dspark"),
                         "--datasets", str(dirs / "one.jsonl"), "--max-new-tokens", "8", "--dtype", "float32",
-                        "--prompt-lookup", "0", "--out", str(tmp_path / "b"), "--no-progress")
+                        "--prompt-lookup", "0", "--block", "2,4", "--out", str(tmp_path / "b"), "--no-progress")
     assert code == 0, err
     methods = json.loads((tmp_path / "b" / "bench.json").read_text())["results"][0]["methods"]
-    assert list(methods) == ["plain", "dspark block k=4"]
+    assert list(methods) == ["plain", "dspark block k=2", "dspark block k=4"]
+    assert methods["dspark block k=2"]["identical_to_plain"] == "1/1"
     row = methods["dspark block k=4"]
     assert row["identical_to_plain"] == "1/1" and row["acceptance_length"] >= 1.0
     assert len(row["acceptance_per_position"]) == 5  # positions 1..k+1 (the last is never reached by drafts)

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--random-drafter", action="store_true",
                    help="an untrained drafter of --kind: measures the speculative overhead")
     add_kind_args(p)
-    p.add_argument("--block", type=int, default=None, metavar="K", help=BLOCK_HELP)
+    p.add_argument("--block", default=None, metavar="K[,K...]",
+                   help=BLOCK_HELP + "; one row per K given, e.g. 2,4,7")
     p.add_argument("--datasets", default="mt-bench", help="comma-separated: mt-bench, humaneval, or JSONL paths")
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
     p.add_argument("--chain", type=int, default=None, metavar="K",
@@ -263,7 +264,8 @@ def _bench(args, argv: list[str]) -> int:
         target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers))
         drafter, choice = make_drafter(args, kind, target), None
     if blocks:
-        specs.append(resolve_block_spec(drafter, target, BlockSpec(args.block)))
+        for k in dict.fromkeys(parse_ints(args.block) or [None]):
+            specs.append(resolve_block_spec(drafter, target, BlockSpec(k)))
     if choice is not None and choice.shape is not None:
         # A chosen hybrid is measured with its bare tree too, so the table shows what lookup's branch adds, and
         # with its siblings at --hybrid-min-ngram's other N (the cost model weighs those on calibration text only).
