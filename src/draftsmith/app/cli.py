@@ -241,6 +241,9 @@ def _bench(args, argv: list[str]) -> int:
                      max_new_tokens=args.max_new_tokens, prompt_lookup_ks=lookup_ks)
     if args.readme:
         check_readme(args.readme, args.readme_section)
+    if args.shape and len(set(temperatures)) > 1:
+        raise UsageError("--shape auto chooses for one temperature (acceptance depends on it): give one "
+                         f"--temperature, got {args.temperature}")
     kind = drafter_kind(args)
     blocks = drafts_blocks(args, kind, ("--chain", "--tree", "--shape", "--hybrid"))
     fixed = args.chain is not None or not (args.tree or args.shape or blocks)
@@ -254,9 +257,6 @@ def _bench(args, argv: list[str]) -> int:
         for n in given_min_ngrams or [1]:
             specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0], n))
     if args.shape:
-        if len(set(temperatures)) > 1:
-            raise UsageError("--shape auto chooses for one temperature (acceptance depends on it): give one "
-                             f"--temperature, got {args.temperature}")
         target, drafter, choice, note = choose_for_drafting(
             args.target, lambda t: make_drafter(args, kind, t), args.drafter, args.device, args.dtype,
             parse_ints(args.aux_layers), args.max_new_tokens, temperature=temperatures[0])
@@ -320,8 +320,8 @@ def _decode(args) -> int:
     except UnicodeEncodeError:  # an argv byte that is not UTF-8 arrives as a lone surrogate
         raise UsageError("--prompt is not valid UTF-8 text (check the shell's or file's encoding)") from None
     spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain if args.chain is not None else 3)
-    if (args.chain is not None or args.tree or args.shape or args.block) and not (args.drafter or args.random_drafter):
-        raise UsageError("--chain/--tree/--shape/--block need --drafter PATH or --random-drafter")
+    if (args.chain is not None or args.tree or args.shape) and not (args.drafter or args.random_drafter):
+        raise UsageError("--chain/--tree/--shape need --drafter PATH or --random-drafter")
     kind = drafter_kind(args)
     if drafts_blocks(args, kind, ("--chain", "--tree", "--shape", "--hybrid")):
         spec = BlockSpec(args.block)
