@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
                    help=f"n-gram prompt-lookup drafting of K tokens (no drafter; the free baseline). {K_BOUND}")
     s.add_argument("--shape", choices=["auto"], default=None, help="auto: the chain, tree or hybrid (or plain) "
-                   "expected fastest here from measured verify costs and acceptance (cached); no --dtype: fp32 or "
-                   "bf16, the faster")
+                   "expected fastest here from measured verify costs and acceptance (cached); a block drafter: the "
+                   "block length; no --dtype: fp32 or bf16, the faster")
     s.add_argument("--block", type=int, default=None, metavar="K", help=BLOCK_HELP)
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="graft K prompt-lookup tokens (default 3) onto the --tree draft tree, verified in one pass")
@@ -245,7 +245,7 @@ def _bench(args, argv: list[str]) -> int:
         raise UsageError("--shape auto chooses for one temperature (acceptance depends on it): give one "
                          f"--temperature, got {args.temperature}")
     kind = drafter_kind(args)
-    blocks = drafts_blocks(args, kind, ("--chain", "--tree", "--shape", "--hybrid"))
+    blocks = drafts_blocks(args, kind, ("--chain", "--tree", "--hybrid"))
     fixed = args.chain is not None or not (args.tree or args.shape or blocks)
     specs = [ChainSpec(args.chain if args.chain is not None else 3)] if fixed else []
     if args.tree:
@@ -323,7 +323,7 @@ def _decode(args) -> int:
     if (args.chain is not None or args.tree or args.shape) and not (args.drafter or args.random_drafter):
         raise UsageError("--chain/--tree/--shape need --drafter PATH or --random-drafter")
     kind = drafter_kind(args)
-    if drafts_blocks(args, kind, ("--chain", "--tree", "--shape", "--hybrid")):
+    if drafts_blocks(args, kind, ("--chain", "--tree", "--hybrid")):
         spec = BlockSpec(args.block)
     if args.prompt_lookup is not None:
         if args.drafter or args.random_drafter:

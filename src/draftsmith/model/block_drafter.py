@@ -97,6 +97,14 @@ class BlockDrafterConfig:
         """Draft tokens per block: every slot (anchor-first) or every slot after the anchor (fill-in)."""
         return self.block_size if self.sample_from_anchor else self.block_size - 1
 
+    def shape_key(self) -> dict:
+        """The sizes a timing of this drafter depends on (keys of the measurement cache)."""
+        return {"kind": self.kind, "hidden": self.hidden_size, "inter": self.intermediate_size,
+                "layers": self.num_hidden_layers, "heads": self.num_attention_heads, "kv": self.num_key_value_heads,
+                "draft_vocab": self.draft_vocab_size, "aux": len(self.target_layer_ids),
+                "target_hidden": self.target_hidden_size, "markov": [self.markov_rank, self.markov_head_type],
+                "anchor_first": self.sample_from_anchor}
+
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
         """The Target's aux ids (input of layer i+1) for ``target_layer_ids``."""
