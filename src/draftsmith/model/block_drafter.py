@@ -535,7 +535,8 @@ def load_block_drafter(path: str | Path, target=None, *, device=None, dtype: tor
     try:
         cfg = BlockDrafterConfig.from_config_dict(raw)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise DrafterError(f"{cfg_file}: not a DFlash/DSpark drafter config ({one_line(e)[:300]})") from e
+        hint = "" if "draftsmith" in raw else "; an engine's layout (z-lab, DeepSpec, speculators): `draftsmith import`"
+        raise DrafterError(f"{cfg_file}: not a DFlash/DSpark drafter config ({one_line(e)[:300]}){hint}") from e
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE}")
