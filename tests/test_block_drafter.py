@@ -133,6 +133,8 @@ def test_bad_configs_and_files_are_one_clear_error(tmp_path):
         _drafter("dflash", block_size=1)
     with pytest.raises(DrafterError, match="markov_head_type"):
         _drafter("dspark", markov_head_type="lstm")
+    with pytest.raises(DrafterError, match="strictly increasing"):  # vLLM would concatenate them as 1, 3
+        _drafter("dflash", target_layer_ids=(3, 1))
     d = _drafter("dflash")
     d.save(tmp_path / "d")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())

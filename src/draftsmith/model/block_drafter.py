@@ -78,8 +78,9 @@ class BlockDrafterConfig:
                        "(sample_from_anchor false; vLLM refuses it true)")
         if not 1 <= self.num_drafts <= MAX_BLOCK_SIZE or self.block_size > MAX_BLOCK_SIZE:
             out.append(f"block_size {self.block_size} leaves {self.num_drafts} drafts (1..{MAX_BLOCK_SIZE})")
-        if not self.target_layer_ids or len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            out.append(f"target_layer_ids {list(self.target_layer_ids)} must be distinct and not empty")
+        if not self.target_layer_ids or list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            out.append(f"target_layer_ids {list(self.target_layer_ids)} must be strictly increasing and not empty "
+                       "(engines concatenate the states in layer order)")
         if any(i < -1 for i in self.target_layer_ids):
             out.append(f"target_layer_ids {list(self.target_layer_ids)} go below -1 (the embedding output)")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
