@@ -22,6 +22,7 @@ from draftsmith.app.args import (
     add_vllm_args,
     check_vllm_args,
     fail,
+    finite_float,
     parse_ints,
 )
 from draftsmith.app.recipe import add_config_flags, apply_recipe
@@ -47,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     s = p.add_mutually_exclusive_group()
     s.add_argument("--chain", type=int, default=None, metavar="K",
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: ~20 min on 2 CPU cores; full: longer, best numbers; tiny: seconds (tests)")
     p.add_argument("--workdir", default="runs/demo", help="where every artefact goes (default runs/demo)")
     p.add_argument("--target", default=None, help="override the preset's target (a model dir or 'smollm2')")
-    p.add_argument("--minutes", type=float, default=None,
+    p.add_argument("--minutes", type=finite_float, default=None,
                    help="wall-clock budget: training plans its steps to fit what the other stages leave (at most "
                         "the preset's step ceiling); 0: no budget, the preset's own step count (default: default 20, "
                         "full 180)")
@@ -208,9 +209,9 @@ def _bench(args, argv: list[str]) -> int:
     from draftsmith.stages.step_config import choose_for_drafting, load_target_for
 
     try:
-        temperatures = [float(t) for t in args.temperature.split(",")]
-    except ValueError as e:
-        raise UsageError(f"--temperature wants comma-separated numbers, got {args.temperature!r}") from e
+        temperatures = [finite_float(t) for t in args.temperature.split(",")]
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise UsageError(f"--temperature wants comma-separated finite numbers, got {args.temperature!r}") from e
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit), ("--turns", args.turns)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")

@@ -107,7 +107,7 @@ def _scan(argv: list[str]) -> tuple[str | None, str | None]:
     path = None
     for i, arg in enumerate(rest):
         name, eq, value = arg.partition("=")
-        if len(name) >= len("--conf") and "--config".startswith(name):  # argparse accepts unique prefixes
+        if name == "--config":  # the exact flag: the parsers take no abbreviations (args.Parser)
             path = value if eq else (rest[i + 1] if i + 1 < len(rest) else None)
     return command, path
 
@@ -193,16 +193,17 @@ def _scalar(action: argparse.Action, value, key: str, where: str):
             raise RecipeError(f"{where}: {key} takes one value, not a list")
         value = ",".join(str(v) for v in value)
     kind = action.type or str
-    if kind is float and isinstance(value, int):
+    base = getattr(kind, "base_type", kind)  # a checking type (args.finite_float) names the value it takes
+    if base is float and isinstance(value, int):
         value = float(value)
-    elif kind is str and isinstance(value, int | float):
+    elif base is str and isinstance(value, int | float):
         value = str(value)
-    elif not isinstance(value, str) and not isinstance(value, kind):
-        raise RecipeError(f"{where}: {key} wants {getattr(kind, '__name__', 'a value')}, not {value!r}")
-    if isinstance(value, str) and kind is not str:
+    elif not isinstance(value, str) and not isinstance(value, base):
+        raise RecipeError(f"{where}: {key} wants {getattr(base, '__name__', 'a value')}, not {value!r}")
+    if kind is not str and (isinstance(value, str) or base is not kind):  # the command line's checks, here too
         try:
             value = kind(value)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
             raise RecipeError(f"{where}: {key} = {value!r}: {e}") from e
     if action.choices is not None and value not in action.choices:
         raise RecipeError(f"{where}: {key} = {value!r}: choose from {', '.join(map(str, action.choices))}")
