@@ -3,6 +3,16 @@ leave nothing half-written. (The GGUF and llama.cpp defects are in test_hardenin
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pytest
 
 from draftsmith.app.cli import parse_args
@@ -96,3 +106,214 @@ def test_capture_shard_mb_beyond_any_machine_is_one_line(tmp_path, capsys, monke
     _one_error(capsys, "--shard-mb")
     assert list(tmp_path.iterdir()) == []
 
+
+
+# --- 3: a hub that accepts and never answers ---------------------------------------------------------------------
+@pytest.fixture
+def silent_hub():
+    """A loopback socket that accepts connections and never writes a byte (a stalled proxy); closed afterwards."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.2)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):  # the accept timeout: look at `stop` again
+                held.append(server.accept()[0])
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    t.join(5)
+    for c in held:
+        c.close()
+    server.close()
+
+
+def _cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str, float]:
+    """The CLI in a child process (huggingface_hub reads HF_ENDPOINT once, at import), timed."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "draftsmith.cli", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    return r.returncode, r.stdout, r.stderr, time.perf_counter() - t0
+
+
+def _online_env(tmp_path: Path, endpoint: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_TOKEN")}
+    return env | {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / "hf-cache"),
+                  "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+
+
+@pytest.mark.parametrize("command", ["doctor", "serve"])
+def test_a_silent_hub_is_one_line_within_the_timeout(tmp_path, silent_hub, command):
+    env = _online_env(tmp_path, silent_hub, DRAFTSMITH_HUB_TIMEOUT="2")
+    extra = ["--drafter", "otherorg/y", "--dry-run"] if command == "serve" else []
+    code, out, err, seconds = _cli([command, "--target", "someorg/x", *extra], tmp_path, env, timeout=30)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert "someorg/x" in lines[0] and "did not answer within 2 s" in lines[0] and "DRAFTSMITH_HUB_TIMEOUT" in err
+    assert seconds < 30
+
+
+def test_a_mistyped_two_part_local_path_is_refused_without_the_hub(tmp_path, silent_hub):
+    (tmp_path / "runs" / "drafter").mkdir(parents=True)
+    env = _online_env(tmp_path, silent_hub)  # the default deadline (30 s): the answer must come before any wait
+    code, out, err, seconds = _cli(["doctor", "--target", "runs/drafterr"], tmp_path, env, timeout=30)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "runs/drafterr: no such local folder" in err and "runs/ exists" in err
+    assert seconds < 20
+
+
+def test_hub_timeout_setting_is_checked(monkeypatch):
+    from draftsmith.stages.doctor.hub import HubResolutionError, hub_timeout
+
+    assert hub_timeout({}) == 30 and hub_timeout({"DRAFTSMITH_HUB_TIMEOUT": "2.5"}) == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(HubResolutionError, match="DRAFTSMITH_HUB_TIMEOUT"):
+            hub_timeout({"DRAFTSMITH_HUB_TIMEOUT": bad})
+
+
+# --- 12: OS errors -------------------------------------------------------------------------------------------------
+def test_doctor_path_component_over_the_name_limit(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llama = str(Path(__file__).parent / "fixtures" / "configs" / "llama")
+    for args in (["--target", "a" * 300], ["--target", llama, "--drafter", "b" * 300],
+                 ["--engine", "llamacpp", "--target", "a" * 300 + ".gguf"]):
+        assert _run(["doctor", *args]) == 2
+        _one_error(capsys, "too long")
+    assert _run(["doctor", "--target", "org/" + "c" * 300]) == 2  # too long for a hub id too (96 at most)
+    _one_error(capsys, "no such")
+
+
+def test_serve_vllm_bin_that_is_not_a_program(tmp_path, capsys):
+    d = tmp_path / "no-model"
+    for vllm_bin in ("/etc/passwd", str(tmp_path), str(tmp_path / "missing")):
+        assert _run(["serve", "--target", str(d), "--drafter", str(d), "--vllm-bin", vllm_bin]) == 2
+        _one_error(capsys, "--vllm-bin")
+
+
+@pytest.mark.parametrize("port", ["0", "99999", "-1"])
+def test_serve_port_out_of_range(tmp_path, capsys, port):
+    d = tmp_path / "no-model"
+    assert _run(["serve", "--target", str(d), "--drafter", str(d), "--port", port, "--dry-run"]) == 2
+    _one_error(capsys, "--port")
+
+
+# --- 5: export --force over an existing export swaps whole directories ------------------------------------------
+class _Killed(BaseException):
+    """A kill at a chosen point (BaseException: no except-Exception clause swallows it)."""
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())} if d.is_dir() else {}
+
+
+@pytest.fixture(scope="module")
+def two_exports(tmp_path_factory):
+    """Drafters A and B for one tiny target, differing in weights and aux layer ids, and their clean exports."""
+    import torch
+    from conftest import tiny_target
+
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.stages.export import export_drafter
+
+    root = tmp_path_factory.mktemp("swap")
+    target = tiny_target("llama", torch.float32)
+    a = new_drafter(target, seed=0)
+    b = new_drafter(target, seed=1)
+    b.config.aux_layer_ids = (1, 3, 5)
+    for name, d in (("a", a), ("b", b)):
+        d.save(root / name)
+        export_drafter(root / name, root / f"ref-{name}", "vllm")
+    return root
+
+
+def _kill_at(monkeypatch, n: int, calls: list[str]) -> None:
+    """Raise _Killed at the n-th file system step of an export (writes, renames, links, removals, the swap)."""
+    import shutil as shutil_mod
+
+    from draftsmith.core import io as io_mod
+
+    def wrap(owner, name):
+        real = getattr(owner, name)
+
+        def step(*a, **k):
+            calls.append(name)
+            if len(calls) - 1 == n:
+                raise _Killed(name)
+            return real(*a, **k)
+
+        monkeypatch.setattr(owner, name, step)
+
+    wrap(io_mod, "write_file_durably")
+    wrap(io_mod, "_exchange")
+    wrap(os, "replace")
+    wrap(os, "link")
+    wrap(shutil_mod, "rmtree")
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_kill_during_export_force_leaves_the_old_or_the_new_export(two_exports, tmp_path, monkeypatch, exchange):
+    from draftsmith.core import io as io_mod
+    from draftsmith.core.io import restore_dir
+    from draftsmith.stages.export import export_drafter
+
+    root = two_exports
+    old, new = _files(root / "ref-a"), _files(root / "ref-b")
+    assert old != new and set(old) == set(new) == {"config.json", "model.safetensors", "draftsmith-export.json"}
+    if not exchange:
+        monkeypatch.setattr(io_mod, "_exchange", lambda a, b: False)
+    seen = set()
+    for n in range(100):
+        out = tmp_path / f"run{n}" / "out"
+        out.parent.mkdir()
+        shutil.copytree(root / "ref-a", out)
+        (out / "README.md").write_text("the user's notes")
+        calls: list[str] = []
+        with monkeypatch.context() as m:
+            _kill_at(m, n, calls)
+            try:
+                export_drafter(root / "b", out, "vllm", overwrite=True)
+                finished = True
+            except _Killed:
+                finished = False
+        now = {k: v for k, v in _files(out).items() if k != "README.md"}
+        if not now:  # the two-rename route, killed between its renames: the old export waits aside, complete
+            assert not exchange and _files(io_mod.aside_dir(out)) == old | {"README.md": b"the user's notes"}
+        else:
+            assert now in (old, new), (n, calls)
+            seen.add("old" if now == old else "new")
+        restore_dir(out)  # what the next export does first
+        now = _files(out)
+        assert now.pop("README.md") == b"the user's notes"
+        assert now in (old, new), (n, calls)
+        if finished:
+            assert now == new and not list(out.parent.glob(".out.*")), list(out.parent.iterdir())
+            break
+    else:
+        raise AssertionError("the export never finished")
+    assert seen == {"old", "new"} and n >= 4
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "unwritable"])
+def test_export_out_that_cannot_be_written(two_exports, tmp_path, capsys, where):
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "sub" / "out" if where == "under-a-file" else Path("/sys/draftsmith-h51b/out")
+    assert _run(["export", "--drafter", str(two_exports / "a"), "--format", "vllm", "--out", str(out)]) == 2
+    _one_error(capsys, str(out) if where == "under-a-file" else "/sys/draftsmith-h51b")
+    assert not Path("/sys/draftsmith-h51b").exists()
+
+
+def test_export_through_a_symlinked_out_keeps_the_link(two_exports, tmp_path):
+    from draftsmith.stages.export import export_drafter
+
+    real = tmp_path / "real"
+    shutil.copytree(two_exports / "ref-a", real)
+    (tmp_path / "link").symlink_to(real)
+    export_drafter(two_exports / "b", tmp_path / "link", "vllm", overwrite=True)
+    assert (tmp_path / "link").is_symlink() and _files(real) == _files(two_exports / "ref-b")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import sys
 
@@ -47,6 +48,21 @@ def fail(e: BaseException, code: int = 2, then: str = "") -> int:
     """The one way the CLI reports an error: ``draftsmith: error: <message on one line><then>``."""
     print(f"draftsmith: error: {one_line(e)}{then}", file=sys.stderr)
     return code
+
+
+# OSErrors that are the user's to fix (exit 2): a name over the file system's limit, a file where a folder goes,
+# no permission, a read-only disk, not a program. Others (an I/O error, a full disk) exit 1.
+_USER_ERRNOS = {errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.EEXIST, errno.EISDIR, errno.ENOTDIR,
+                errno.EROFS, errno.ENOEXEC, errno.ELOOP, errno.ENOENT, errno.ENOTEMPTY}
+
+
+def fail_os(e: OSError) -> int:
+    """An OSError no stage turned into its own message: the path (shortened) and the system's reason, one line."""
+    name = "" if e.filename is None else str(e.filename)
+    if len(name) > 120:
+        name = f"{name[:60]}...{name[-40:]}"
+    text = f"{name}: {e.strerror}" if name and e.strerror else one_line(e)
+    return fail(UsageError(text), 2 if e.errno in _USER_ERRNOS else 1)
 
 
 # Kept in step with draftsmith.stages.decode.MAX_DRAFT_LENGTH / MAX_TREE_TOKENS / MAX_TREE_CANDIDATES

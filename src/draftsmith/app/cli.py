@@ -22,6 +22,7 @@ from draftsmith.app.args import (
     add_vllm_args,
     check_vllm_args,
     fail,
+    fail_os,
     finite_float,
     parse_ints,
 )
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = apply_recipe(parser, given)  # --config RECIPE: the command's section becomes its defaults
     except USER_ERRORS as e:
         return fail(e)
+    except OSError as e:  # a recipe path over the name limit, a recipe one may not read
+        return fail_os(e)
     args = parser.parse_args(argv)
     if args.command in ("doctor", "serve"):  # before the library imports below: doctor answers in under a second
         return _doctor_or_serve(args)
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except USER_ERRORS as e:
         return fail(e)
+    except OSError as e:  # a path too long, an --out under a file or not writable: one line, not a traceback
+        return fail_os(e)
     except Exception as e:  # a corrupt weights file that no loader below named: still one line
         from safetensors import SafetensorError
 
@@ -414,6 +419,8 @@ def _doctor_or_serve(args) -> int:
                      engine_version=args.engine_version, vllm_bin=args.vllm_python or args.vllm_bin)
     except (DoctorUsageError, *USER_ERRORS) as e:
         return fail(e)
+    except OSError as e:
+        return fail_os(e)
 
 
 def _vllm_serve_args(args) -> list[str]:

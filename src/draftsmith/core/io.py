@@ -1,15 +1,18 @@
 """Durable file writes, checksums and advisory locks: the only place bytes hit disk.
 
 `write_file_durably` is the single function that writes bytes, so tests can monkeypatch it to simulate
-ENOSPC. Readers of a file written by `atomic_write` see the old or the new file, never half of one.
+ENOSPC. Readers of a file written by `atomic_write` see the old or the new file, never half of one; readers of a
+directory put in place by `replace_dir` see the old or the new directory, never files of both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
@@ -63,6 +66,79 @@ def atomic_write(path: Path, data: bytes) -> None:
             tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def staging_dir(out: Path) -> Path:
+    """A fresh, empty sibling of ``out`` to write a whole directory into before ``replace_dir`` puts it in place
+    (same file system, so the rename is atomic). A staging folder a killed run left behind is removed first."""
+    out = Path(out)
+    staging = out.with_name(f".{out.name}.partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def aside_dir(out: Path) -> Path:
+    return Path(out).with_name(f".{Path(out).name}.old")
+
+
+def replace_dir(new: Path, out: Path) -> None:
+    """Put the complete directory ``new`` at ``out`` in one step, then remove the old ``out`` (if any).
+
+    Linux: ``renameat2(RENAME_EXCHANGE)`` swaps the two names atomically. Elsewhere: ``out`` is renamed aside,
+    ``new`` renamed in, the aside removed; a kill between the two renames leaves ``out`` missing and the old
+    directory complete at ``aside_dir(out)``, where ``restore_dir`` finds it.
+    """
+    new, out = Path(new), Path(out)
+    restore_dir(out)
+    if not out.exists():
+        os.replace(new, out)
+    elif _exchange(new, out):  # `new` now names the old directory
+        fsync_dir(out.parent)
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    else:
+        aside = aside_dir(out)
+        os.replace(out, aside)
+        os.replace(new, out)
+        fsync_dir(out.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    fsync_dir(out.parent)
+
+
+def restore_dir(out: Path) -> None:
+    """Finish what a killed ``replace_dir`` left: the old directory back at ``out`` when ``out`` is missing, or
+    the aside copy removed when the new one is in place."""
+    aside = aside_dir(out)
+    if not aside.is_dir():
+        return
+    if not Path(out).exists():
+        os.replace(aside, out)
+        fsync_dir(Path(out).parent)
+    else:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # the file system or kernel cannot exchange: the two-rename route
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def sha256_file(path: Path, chunk: int = 4 * 1024 * 1024) -> str:
