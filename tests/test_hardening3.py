@@ -317,3 +317,63 @@ def test_export_through_a_symlinked_out_keeps_the_link(two_exports, tmp_path):
     (tmp_path / "link").symlink_to(real)
     export_drafter(two_exports / "b", tmp_path / "link", "vllm", overwrite=True)
     assert (tmp_path / "link").is_symlink() and _files(real) == _files(two_exports / "ref-b")
+
+
+# --- 8: a target GGUF without (all of) its tensors -------------------------------------------------------------
+_TINY = {"llama.block_count": 4, "llama.embedding_length": 64, "llama.feed_forward_length": 128,
+         "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16}
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    """The embedded default's GGUF metadata (tokenizer included) shrunk to a 4-layer, 64-wide llama: with no
+    tensors at all, and with only its embedding (every other weight missing)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from draftsmith.model.sources import smollm2_gguf_path
+    from draftsmith.stages.export.gguf import copy_field
+
+    root = tmp_path_factory.mktemp("gguf")
+    reader = GGUFReader(smollm2_gguf_path())
+    vocab = int(reader.fields["llama.vocab_size"].contents())
+    out = {}
+    for name, tensors in (("empty", {}), ("embedding-only", {"token_embd.weight": np.zeros((vocab, 64), np.float16)})):
+        w = GGUFWriter(root / f"{name}.gguf", "llama")
+        for key, f in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            if key in _TINY:
+                w.add_key_value(key, _TINY[key], GGUFValueType.UINT32)
+            else:
+                copy_field(w, f)
+        for t_name, array in tensors.items():
+            w.add_tensor(t_name, array)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        out[name] = root / f"{name}.gguf"
+    return out
+
+
+def test_gguf_without_tensors_is_refused_by_decode_capture_and_train(ggufs, tmp_path, capsys):
+    target = str(ggufs["empty"])
+    convs = tmp_path / "c.jsonl"
+    convs.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}, '
+                     '{"role": "assistant", "content": "hello"}]}\n')
+    for argv in (["decode", "--target", target, "--prompt", "hi", "--max-new-tokens", "2"],
+                 ["capture", "--target", target, "--conversations", str(convs), "--out", str(tmp_path / "s"),
+                  "--no-progress"],
+                 ["train", "--target", target, "--conversations", str(convs), "--out", str(tmp_path / "r"),
+                  "--max-steps", "1", "--no-progress", "--no-plot"]):
+        assert _run(argv) == 2, argv
+        _one_error(capsys, "no tensors", "random weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+def test_gguf_missing_most_weights_is_refused_at_load(ggufs):
+    from draftsmith.model.target import TargetError, load_target
+
+    with pytest.raises(TargetError, match=r"lacks \d+ of the model's weights .*random weights"):
+        load_target(ggufs["embedding-only"])
