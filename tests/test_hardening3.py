@@ -4,6 +4,7 @@ leave nothing half-written. (The GGUF and llama.cpp defects are in test_hardenin
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -377,3 +378,61 @@ def test_gguf_missing_most_weights_is_refused_at_load(ggufs):
 
     with pytest.raises(TargetError, match=r"lacks \d+ of the model's weights .*random weights"):
         load_target(ggufs["embedding-only"])
+
+
+# --- 9: a target with no usable tokenizer ------------------------------------------------------------------------
+def _tokenized_target(tmp_path: Path) -> Path:
+    from test_doctor_hub import target_files
+
+    d = tmp_path / "target"
+    d.mkdir()
+    for name, data in target_files(tmp_path).items():
+        (d / name).write_bytes(data)
+    return d
+
+
+def _doctor_ids(target):
+    from draftsmith.stages.doctor.diagnosis import diagnose
+
+    report = diagnose(target, engine_version="0.32")
+    return report, report.ids("error")
+
+
+def test_a_complete_tokenizer_passes(tmp_path):
+    report, errors = _doctor_ids(_tokenized_target(tmp_path))
+    assert errors == [] and report.exit_code == 0, report.summary()
+
+
+@pytest.mark.parametrize("tokenizer_class", [None, "TokenizersBackend"])
+def test_tokenizer_json_deleted_is_a_finding(tmp_path, tokenizer_class):
+    t = _tokenized_target(tmp_path)
+    (t / "tokenizer.json").unlink()
+    if tokenizer_class:
+        cfg = json.loads((t / "tokenizer_config.json").read_text()) | {"tokenizer_class": tokenizer_class}
+        (t / "tokenizer_config.json").write_text(json.dumps(cfg))
+    report, errors = _doctor_ids(t)
+    assert errors == ["tokenizer.no-vocabulary"] and report.exit_code == 1, report.summary()
+    if tokenizer_class:
+        assert "TokenizersBackend reads tokenizer.json" in report.summary()
+
+
+def test_dangling_tokenizer_symlink_is_a_finding(tmp_path):
+    t = _tokenized_target(tmp_path)
+    (t / "tokenizer.json").unlink()
+    (t / "tokenizer.json").symlink_to(tmp_path / "gone" / "tokenizer.json")
+    report, errors = _doctor_ids(t)
+    assert errors == ["tokenizer.unreadable"] and report.exit_code == 1, report.summary()
+    assert "symlink to a missing file" in report.summary()
+
+
+def test_dangling_tokenizer_symlink_in_the_hub_cache_is_a_finding(tmp_path, monkeypatch, capsys):
+    from test_doctor_hub import TARGET_SHA, cache_repo, target_files
+
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snap = cache_repo(cache, "org/target", TARGET_SHA, target_files(tmp_path))
+    (snap / "tokenizer.json").resolve().unlink()  # the blob went (a cache cleaned by hand), the link stayed
+    assert main(["doctor", "--target", "org/target", "--engine-version", "0.32"]) == 1
+    out = capsys.readouterr().out
+    assert "tokenizer.unreadable" in out and "symlink to a missing file" in out, out
