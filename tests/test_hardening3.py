@@ -436,3 +436,40 @@ def test_dangling_tokenizer_symlink_in_the_hub_cache_is_a_finding(tmp_path, monk
     assert main(["doctor", "--target", "org/target", "--engine-version", "0.32"]) == 1
     out = capsys.readouterr().out
     assert "tokenizer.unreadable" in out and "symlink to a missing file" in out, out
+
+
+# --- also worth fixing ----------------------------------------------------------------------------------------
+LLAMA_FIXTURE = Path(__file__).parent / "fixtures" / "configs" / "llama"
+
+
+@pytest.mark.parametrize("version, profile", [("1.5", "0.32"), ("2.0", "0.32"), ("0.32", "0.32"), ("0.11", "legacy")])
+def test_engine_version_past_every_table_uses_the_newest_facts(version, profile):
+    from draftsmith.stages.doctor.diagnosis import diagnose
+
+    assert diagnose(LLAMA_FIXTURE, engine_version=version).engine_profile == profile
+
+
+def test_help_with_a_recipe_lacking_the_commands_section(capsys):
+    recipe = Path(__file__).parents[1] / "recipes" / "dense-8b.toml"
+    assert _run(["decode", "--config", str(recipe), "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: draftsmith decode")
+
+
+def test_train_reads_a_recipe_by_the_rules_of_the_other_commands(tmp_path, capsys):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[train]\nstore = "nowhere"\n[trian]\nmax_steps = 1\n')
+    assert _run(["train", "--config", str(recipe)]) == 2
+    _one_error(capsys, "unknown section [trian]", "did you mean [train]")
+    recipe.write_text('[generate]\nlimit = 1\n')
+    assert _run(["train", "--config", str(recipe)]) == 2
+    _one_error(capsys, "no [train] section")
+    recipe.write_text(f'[train]\nstore = "{tmp_path / "nowhere"}"\nttt-steps = "2"\n[generate]\nlimit = 1\n')
+    assert _run(["train", "--config", str(recipe)]) == 2  # the string int and the kebab key are taken: the store
+    _one_error(capsys, "nowhere")                          # is what is missing
+
+
+def test_gguf_export_error_counts_the_files_it_found(two_exports, tmp_path, capsys):
+    (tmp_path / "t").mkdir()
+    assert _run(["export", "--drafter", str(two_exports / "a"), "--format", "gguf", "--target", str(tmp_path / "t"),
+                 "--out", str(tmp_path / "d.gguf")]) == 2
+    assert "found 0 in that directory" in _one_error(capsys)

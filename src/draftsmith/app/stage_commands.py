@@ -246,11 +246,14 @@ def add_train_parser(sub) -> None:
 
 
 def train(args) -> int:
+    from draftsmith.app.recipe import train_section
     from draftsmith.stages.train.config import TrainConfig, load_config
     from draftsmith.stages.train.run import train
 
     overrides = {k: getattr(args, k) for k in TrainConfig.fields() if getattr(args, k, None) is not None}
-    cfg = load_config(args.config, overrides)
+    section = train_section(args.config)  # a recipe: its [train] section, its other sections checked
+    cfg = load_config(args.config, overrides) if section is None else load_config(
+        None, {**{str(k).replace("-", "_"): v for k, v in section.items()}, **overrides})
     try:
         result = train(cfg)
     except KeyboardInterrupt:
