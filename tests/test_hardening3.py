@@ -473,3 +473,50 @@ def test_gguf_export_error_counts_the_files_it_found(two_exports, tmp_path, caps
     assert _run(["export", "--drafter", str(two_exports / "a"), "--format", "gguf", "--target", str(tmp_path / "t"),
                  "--out", str(tmp_path / "d.gguf")]) == 2
     assert "found 0 in that directory" in _one_error(capsys)
+
+
+# --- leftovers ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """A tiny target, a few conversations and a small store captured from them."""
+    from draftsmith.testing.models import save_tiny_target, tiny_chat_corpus
+
+    root = tmp_path_factory.mktemp("leftovers")
+    target = save_tiny_target(root / "target")
+    convs = root / "convs.jsonl"
+    convs.write_text("".join(json.dumps({"id": f"c{i}", "messages": m}) + "\n"
+                             for i, m in enumerate(tiny_chat_corpus(8))))
+    store = root / "store"
+    assert main(["capture", "--target", str(target), "--conversations", str(convs), "--out", str(store),
+                 "--max-length", "128", "--draft-vocab-size", "64", "--no-progress"]) == 0
+    return {"target": target, "convs": convs, "store": store}
+
+
+def test_generate_leaves_no_lock_file(ws, tmp_path):
+    out = tmp_path / "g.jsonl"
+    assert main(["generate", "--input", str(ws["convs"]), "--target", str(ws["target"]), "--out", str(out),
+                 "--max-new-tokens", "2", "--limit", "1", "--no-progress"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.jsonl"]
+
+
+def test_a_lock_removed_on_release_still_excludes(tmp_path):
+    from draftsmith.core.io import ExclusiveLock, LockHeld
+
+    path = tmp_path / ".x.lock"
+    a = ExclusiveLock(path, "x")
+    with pytest.raises(LockHeld):
+        ExclusiveLock(path, "x")
+    a.release(remove=True)
+    assert not path.exists()
+    b = ExclusiveLock(path, "x")  # a fresh file, locked
+    with pytest.raises(LockHeld):
+        ExclusiveLock(path, "x")
+    b.release(remove=True)
+
+
+def test_refused_grad_accum_leaves_no_out(ws, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--target", str(ws["target"]), "--store", str(ws["store"]), "--out", str(out),
+                 "--grad-accum", "1000", "--batch-tokens", "256", "--no-progress", "--no-plot"]) == 2
+    _one_error(capsys, "--grad-accum 1000")
+    assert not out.exists()

@@ -160,18 +160,36 @@ class ExclusiveLock:
         self._fd: int | None = None
         if fcntl is None:  # pragma: no cover
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            held = e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
-            why = "" if held else f": {e.strerror or e}"  # flock's EAGAIN text says nothing a user can use
-            raise LockHeld(f"another process holds {what} ({self.path}){why}; wait for it to finish") from e
-        self._fd = fd
+        for _ in range(100):  # a holder that removes the file as it releases (release(remove=True)): open again
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                held = e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
+                why = "" if held else f": {e.strerror or e}"  # flock's EAGAIN text says nothing a user can use
+                raise LockHeld(f"another process holds {what} ({self.path}){why}; wait for it to finish") from e
+            if _same_file(fd, self.path):
+                self._fd = fd
+                return
+            os.close(fd)  # locked a file its holder removed meanwhile: that lock guards nothing
+        raise LockHeld(f"{self.path} keeps being replaced; another process is taking {what}")
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        """``remove``: delete the lock file first, while still holding it (a finished run leaves no file);
+        a process that opened the old file before finds it gone and opens again."""
         if self._fd is not None:
+            if remove:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)

@@ -273,6 +273,10 @@ def _setup_teacher(drafter: Eagle3Drafter, heads, device: torch.device, autocast
 def _total_steps(cfg: TrainConfig, train_idx: list[int], lengths: list[int], world: int) -> int:
     """``max_steps``, else the optimizer steps ``epochs`` passes over this rank's share of the batches give."""
     batches_per_epoch = len(make_batches(train_idx, lengths, cfg.batch_tokens, cfg.seed)) // world
+    if cfg.grad_accum > batches_per_epoch > 0:  # refused here, before --out holds anything (the loop checks
+        # each epoch's own count too)
+        raise TrainError(f"--grad-accum {cfg.grad_accum} is more than the {batches_per_epoch} micro-batch(es) an "
+                         "epoch has here per rank; lower --grad-accum or --batch-tokens")
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
     return cfg.max_steps or steps_per_epoch * cfg.epochs
 
