@@ -520,3 +520,26 @@ def test_refused_grad_accum_leaves_no_out(ws, tmp_path, capsys):
                  "--grad-accum", "1000", "--batch-tokens", "256", "--no-progress", "--no-plot"]) == 2
     _one_error(capsys, "--grad-accum 1000")
     assert not out.exists()
+
+
+# --- torchrun: one summary; a resume by another process count is refused --------------------------------------
+def test_torchrun_prints_one_summary_and_a_resume_needs_the_same_ranks(ws, tmp_path):
+    import socket as socket_mod
+
+    with socket_mod.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    args = ["train", "--target", str(ws["target"]), "--store", str(ws["store"]), "--out", str(out),
+            "--max-steps", "2", "--batch-tokens", "128", "--ttt-steps", "1", "--save-every", "1", "--eval-every",
+            "100", "--device", "cpu", "--no-progress", "--no-plot", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(port), "-m", "draftsmith.cli", *args, "--stop-at-step", "1"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summaries = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(summaries) == 1 and json.loads(summaries[0])["steps"] == 1, r.stdout
+    code, _, err, _ = _cli([*args, "--resume"], tmp_path, env, timeout=300)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "trained by 2 process(es)" in err and "this run has 1" in err

@@ -260,6 +260,8 @@ def train(args) -> int:
         print(f"draftsmith: interrupted; checkpoints written so far are kept in {Path(cfg.out) / 'checkpoints'}, "
               "rerun with --resume to continue from the last", file=sys.stderr)
         return 130
+    if result.rank != 0:  # torchrun: one summary, rank 0's (another rank's evaluation saw none of the data)
+        return 0
     report = {"out": str(result.out), "steps": result.steps,
               "best_simulated_acceptance_length": result.best_simulated_acceptance_length,
               "last_eval": result.last_eval}

@@ -44,6 +44,7 @@ class TrainResult:
     steps: int
     best_simulated_acceptance_length: float
     last_eval: dict
+    rank: int = 0  # under torchrun only rank 0 reports (the others' evaluation numbers are not the run's)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -132,7 +133,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     train_idx = first_samples(source.ids, train_idx, cfg.train_samples)
     step_ceiling = _total_steps(cfg, train_idx, source.lengths, world)
     params, opt, sched = _setup_optimizer(cfg, drafter, step_ceiling, world)
-    state = _setup_state(cfg, out, drafter, opt, sched)
+    state = _setup_state(cfg, out, drafter, opt, sched, world)
     total_steps = int(state.get("planned_steps", step_ceiling))  # a time budget's plan (its schedule is restored)
     started -= state.get("elapsed_s", 0.0)  # a resumed run's budget counts the time its checkpoint already spent
     autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world)
@@ -156,7 +157,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
             save_drafter_atomic(drafter, out / "best")
         if cfg.plot:
             plot_run(out)
-    return TrainResult(out, state["step"], state["best_tau"], last_eval)
+    return TrainResult(out, state["step"], state["best_tau"], last_eval, rank)
 
 
 # --- setup ------------------------------------------------------------------------------------------------
@@ -337,11 +338,21 @@ def _setup_autocast(cfg: TrainConfig, device: torch.device, drafter, heads, sour
     return on
 
 
-def _setup_state(cfg: TrainConfig, out: Path, drafter, opt, sched) -> dict:
-    """A fresh position, or the checkpoint's with ``resume``; a fresh run refuses a directory holding one."""
-    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_tau": 0.0, "config_hash": config_hash(cfg)}
+def _setup_state(cfg: TrainConfig, out: Path, drafter, opt, sched, world: int = 1) -> dict:
+    """A fresh position, or the checkpoint's with ``resume``; a fresh run refuses a directory holding one.
+
+    A resume must run with the processes the run had: each rank trains on its share of every batch, so another
+    count changes the tokens per optimizer step and which batches the saved position points at."""
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_tau": 0.0, "config_hash": config_hash(cfg),
+             "world": world}
     if cfg.resume:
         state = load_checkpoint(out, cfg, drafter, opt, sched)
+        saved = int(state.get("world", world))  # checkpoints written before the count was kept: not known
+        if saved != world:
+            raise TrainError(f"--resume: {out} was trained by {saved} process(es) (torchrun --nproc-per-node "
+                             f"{saved}), this run has {world}; resume it with {saved}: the batch per optimizer "
+                             "step and the saved position in the data depend on the count")
+        state["world"] = world
     elif _holds_checkpoint(out):
         raise TrainError(f"{out} already holds a run: pass --resume to continue it or choose another --out")
     return state
