@@ -543,3 +543,28 @@ def test_torchrun_prints_one_summary_and_a_resume_needs_the_same_ranks(ws, tmp_p
     code, _, err, _ = _cli([*args, "--resume"], tmp_path, env, timeout=300)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "trained by 2 process(es)" in err and "this run has 1" in err
+
+
+def test_a_killed_runs_temp_dir_goes_at_the_next_start(tmp_path, monkeypatch):
+    import signal
+    import tempfile
+
+    from draftsmith.core.io import process_temp_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from draftsmith.core.io import process_temp_dir\n"
+            "with process_temp_dir('draftsmith-gguf-') as d:\n"
+            "    (d / 'drafter.gguf').write_bytes(b'x' * 1000); print(d, flush=True); time.sleep(60)\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parents[1] / "src")], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    killed = Path(proc.stdout.readline().strip())
+    assert killed.parent == tmp_path and (killed / "drafter.gguf").is_file()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    proc.stdout.close()
+    live = tmp_path / f"draftsmith-gguf-{os.getppid()}-keep"  # a live process's directory stays
+    live.mkdir()
+    with process_temp_dir("draftsmith-gguf-") as d:
+        assert d.is_dir() and not killed.exists() and live.is_dir()
+    assert not d.exists()

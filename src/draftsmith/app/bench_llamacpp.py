@@ -153,10 +153,10 @@ def bench_llamacpp_command(args) -> int:
     """The CLI's ``bench --engine llamacpp``: resolve the GGUFs and tokenizer, measure, write bench-llamacpp.json."""
     import json
     import sys
-    import tempfile
 
     from draftsmith.app.args import parse_ints
     from draftsmith.app.bench import check_bench_args
+    from draftsmith.core.io import process_temp_dir
     from draftsmith.integrations.llamacpp import available
     from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2
 
@@ -178,7 +178,7 @@ def bench_llamacpp_command(args) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, **tok_kw)
-    with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
+    with process_temp_dir("draftsmith-gguf-") as tmp:  # a killed bench's directory goes at the next start
         drafter = Path(args.drafter)
         if drafter.suffix != ".gguf":
             from draftsmith.stages.export.gguf import export_gguf

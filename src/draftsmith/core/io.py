@@ -13,6 +13,8 @@ import errno
 import hashlib
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
@@ -139,6 +141,32 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False  # the file system or kernel cannot exchange: the two-rename route
     raise OSError(err, os.strerror(err), str(b))
+
+
+@contextlib.contextmanager
+def process_temp_dir(prefix: str) -> Iterator[Path]:
+    """A temporary directory named after this process, removed on exit; the ones processes that are gone left
+    behind (a kill -9 or SIGTERM runs no cleanup) are removed first. A live process's directory is left alone."""
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(f"{prefix}*"):
+        pid = old.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def sha256_file(path: Path, chunk: int = 4 * 1024 * 1024) -> str:
