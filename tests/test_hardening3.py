@@ -251,6 +251,10 @@ def _kill_at(monkeypatch, n: int, calls: list[str]) -> None:
 
         monkeypatch.setattr(owner, name, step)
 
+    import safetensors.torch
+
+    wrap(safetensors.torch, "save_file")  # Eagle3Drafter.save (import) writes through these two
+    wrap(Path, "write_text")
     wrap(io_mod, "write_file_durably")
     wrap(io_mod, "_exchange")
     wrap(os, "replace")
@@ -568,3 +572,42 @@ def test_a_killed_runs_temp_dir_goes_at_the_next_start(tmp_path, monkeypatch):
     with process_temp_dir("draftsmith-gguf-") as d:
         assert d.is_dir() and not killed.exists() and live.is_dir()
     assert not d.exists()
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_kill_during_import_force_leaves_the_old_or_the_new_import(two_exports, tmp_path, monkeypatch, exchange):
+    """import --force over an older import: the same swap as the export's."""
+    from draftsmith.core import io as io_mod
+    from draftsmith.core.io import restore_dir
+    from draftsmith.stages.export import import_drafter
+
+    root = two_exports
+    import_drafter(root / "ref-a", tmp_path / "ref-a")
+    import_drafter(root / "ref-b", tmp_path / "ref-b")
+    old, new = _files(tmp_path / "ref-a"), _files(tmp_path / "ref-b")
+    assert old != new and set(old) == set(new) == {"config.json", "model.safetensors"}
+    if not exchange:
+        monkeypatch.setattr(io_mod, "_exchange", lambda a, b: False)
+    seen = set()
+    for n in range(100):
+        out = tmp_path / f"run{n}" / "out"
+        shutil.copytree(tmp_path / "ref-a", out)
+        calls: list[str] = []
+        with monkeypatch.context() as m:
+            _kill_at(m, n, calls)
+            try:
+                import_drafter(root / "ref-b", out, overwrite=True)
+                finished = True
+            except _Killed:
+                finished = False
+        now = _files(out)
+        assert now in (old, new) or (not now and not exchange and _files(io_mod.aside_dir(out)) == old), (n, calls)
+        restore_dir(out)
+        assert _files(out) in (old, new), (n, calls)
+        seen.add("old" if _files(out) == old else "new")
+        if finished:
+            assert _files(out) == new and not list(out.parent.glob(".out.*"))
+            break
+    else:
+        raise AssertionError("the import never finished")
+    assert seen == {"old", "new"} and n >= 2

@@ -110,6 +110,28 @@ def replace_dir(new: Path, out: Path) -> None:
     fsync_dir(out.parent)
 
 
+def carry_over(old: Path, new: Path, skip: set[str]) -> None:
+    """The other files of ``old`` (a README, notes) into ``new`` before ``replace_dir`` swaps the directories.
+    Hard links where the file system allows (no bytes copied), copies elsewhere."""
+    for p in old.iterdir():
+        if p.name in skip:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.copytree(p, new / p.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(p, new / p.name)
+
+
+def _link_or_copy(src, dst) -> None:
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def restore_dir(out: Path) -> None:
     """Finish what a killed ``replace_dir`` left: the old directory back at ``out`` when ``out`` is missing, or
     the aside copy removed when the new one is in place."""

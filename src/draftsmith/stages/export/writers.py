@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shlex
 import shutil
 import warnings
@@ -20,7 +19,7 @@ from draftsmith.core.conventions import (
     speculative_config,
     to_sglang_layer_ids,
 )
-from draftsmith.core.io import atomic_write, replace_dir, restore_dir, staging_dir
+from draftsmith.core.io import atomic_write, carry_over, replace_dir, restore_dir, staging_dir
 from draftsmith.core.vllm_facts import vllm_serve_argv
 from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig, Eagle3Drafter
 from draftsmith.stages.export.checkpoint import (
@@ -385,33 +384,11 @@ def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: di
         atomic_write(staging / "config.json", (json.dumps(config, indent=2) + "\n").encode())
         atomic_write(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
         if out.is_dir():
-            _carry_over(out, staging, skip=ours)
+            carry_over(out, staging, skip=ours)
         replace_dir(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-
-
-def _carry_over(old: Path, new: Path, skip: set[str]) -> None:
-    """The other files of ``old`` (a README, notes) into ``new``: the swap replaces the whole directory.
-    Hard links where the file system allows (no bytes copied), copies elsewhere."""
-    for p in old.iterdir():
-        if p.name in skip:
-            continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.copytree(p, new / p.name, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(p, new / p.name)
-
-
-def _link_or_copy(src, dst) -> None:
-    if os.path.islink(src):
-        os.symlink(os.readlink(src), dst)
-        return
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def target_embeddings(target: str | Path, dtype: torch.dtype | None = None) -> torch.Tensor:
