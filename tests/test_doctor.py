@@ -302,7 +302,8 @@ def test_target_sizes_missing(tmp_path):
 # --- tokenizer checks -----------------------------------------------------------------------------------------------
 def test_tokenizer_missing(tmp_path):
     t = fixture("llama", tmp_path)
-    (t / "tokenizer_config.json").unlink()
+    for name in ("tokenizer_config.json", "vocab.json", "merges.txt"):
+        (t / name).unlink()
     report = run(t)
     assert report.ids("warning") == ["tokenizer.missing"]
     assert report.exit_code == 0

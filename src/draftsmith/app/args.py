@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import math
 import sys
 
 from draftsmith.core.device import DEVICE_HELP
@@ -15,16 +17,52 @@ USER_ERRORS = (DraftsmithError, FileNotFoundError, NotADirectoryError, ValueErro
 
 class Parser(argparse.ArgumentParser):
     """argparse with the CLI's one-line errors: ``draftsmith train: error: argument --dtype: invalid choice ...``
-    and exit 2, without the usage block (``--help`` has it)."""
+    and exit 2, without the usage block (``--help`` has it). No abbreviated flags: ``--co`` for ``--config``
+    would reach argparse but not the recipe scanner, which reads argv first, and a prefix that is unique today
+    changes meaning when a flag is added."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {one_line(ValueError(message))} (see {self.prog} --help)\n")
+
+
+def finite_float(text) -> float:
+    """argparse type of every float option: ``nan`` and ``inf`` parse as floats but make no sense as a budget,
+    a size or a probability, and NaN compares false with every bound a later check tests."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+finite_float.base_type = float  # type: ignore[attr-defined]  # what a recipe's TOML value must be (app/recipe.py)
 
 
 def fail(e: BaseException, code: int = 2, then: str = "") -> int:
     """The one way the CLI reports an error: ``draftsmith: error: <message on one line><then>``."""
     print(f"draftsmith: error: {one_line(e)}{then}", file=sys.stderr)
     return code
+
+
+# OSErrors that are the user's to fix (exit 2): a name over the file system's limit, a file where a folder goes,
+# no permission, a read-only disk, not a program. Others (an I/O error, a full disk) exit 1.
+_USER_ERRNOS = {errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.EEXIST, errno.EISDIR, errno.ENOTDIR,
+                errno.EROFS, errno.ENOEXEC, errno.ELOOP, errno.ENOENT, errno.ENOTEMPTY}
+
+
+def fail_os(e: OSError) -> int:
+    """An OSError no stage turned into its own message: the path (shortened) and the system's reason, one line."""
+    name = "" if e.filename is None else str(e.filename)
+    if len(name) > 120:
+        name = f"{name[:60]}...{name[-40:]}"
+    text = f"{name}: {e.strerror}" if name and e.strerror else one_line(e)
+    return fail(UsageError(text), 2 if e.errno in _USER_ERRNOS else 1)
 
 
 # Kept in step with draftsmith.stages.decode.MAX_DRAFT_LENGTH / MAX_TREE_TOKENS / MAX_TREE_CANDIDATES
@@ -86,10 +124,10 @@ def add_vllm_args(p, *, omit: tuple[str, ...] = (), max_num_seqs: int | None = 2
                                help="engine replicas; work is split between them (default 1)")),
         "max_num_seqs": (("--max-num-seqs",), dict(type=int, default=max_num_seqs, metavar="N",
                          help=f"sequences an engine runs at once (default {seqs})")),
-        "kv_cache_gib": (("--kv-cache-gib",), dict(type=float, default=kv_cache_gib, metavar="GIB",
+        "kv_cache_gib": (("--kv-cache-gib",), dict(type=finite_float, default=kv_cache_gib, metavar="GIB",
                          help=f"KV cache size in GiB, vLLM on CPU (default {kv}); on GPUs "
                               "--gpu-memory-utilization applies")),
-        "gpu_memory_utilization": (("--gpu-memory-utilization",), dict(type=float, default=None, metavar="F",
+        "gpu_memory_utilization": (("--gpu-memory-utilization",), dict(type=finite_float, default=None, metavar="F",
                                    help="fraction of GPU memory vLLM may use, in (0, 1] (default vLLM's)")),
     }
     for dest, (names, kw) in flags.items():

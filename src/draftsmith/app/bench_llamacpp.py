@@ -207,10 +207,9 @@ def check_llamacpp_pair(target: str | Path, drafter: str | Path) -> None:
 def bench_llamacpp_command(args) -> int:
     """The CLI's ``bench --engine llamacpp``: check the flags and the GGUFs, measure, write bench-llamacpp.json."""
     import json
-    import tempfile
 
     from draftsmith.app.bench import check_bench_args, warn_leaks
-    from draftsmith.core.io import atomic_write
+    from draftsmith.core.io import atomic_write, process_temp_dir
     from draftsmith.integrations.llamacpp import available
     from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2
 
@@ -233,7 +232,7 @@ def bench_llamacpp_command(args) -> int:
         raise UsageError(f"{target_gguf}: transformers cannot read its tokenizer, which bench renders the prompts "
                          f"with ({type(e).__name__}: {e})") from e
     leaked = warn_leaks(prompt_sets, args.train_conversations)
-    with tempfile.TemporaryDirectory(prefix="draftsmith-gguf-") as tmp:
+    with process_temp_dir("draftsmith-gguf-") as tmp:  # a killed bench's directory goes at the next start
         drafter = Path(args.drafter)
         if drafter.suffix != ".gguf":
             from draftsmith.stages.export.gguf import export_gguf

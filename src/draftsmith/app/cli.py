@@ -22,6 +22,8 @@ from draftsmith.app.args import (
     add_vllm_args,
     check_vllm_args,
     fail,
+    fail_os,
+    finite_float,
     parse_ints,
 )
 from draftsmith.app.kind_args import BLOCK_HELP, add_kind_args
@@ -49,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     s = p.add_mutually_exclusive_group()
     s.add_argument("--chain", type=int, default=None, metavar="K",
@@ -131,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: ~20 min on 2 CPU cores; full: longer, best numbers; tiny: seconds (tests)")
     p.add_argument("--workdir", default="runs/demo", help="where every artefact goes (default runs/demo)")
     p.add_argument("--target", default=None, help="override the preset's target (a model dir or 'smollm2')")
-    p.add_argument("--minutes", type=float, default=None,
+    p.add_argument("--minutes", type=finite_float, default=None,
                    help="wall-clock budget: training plans its steps to fit what the other stages leave (at most "
                         "the preset's step ceiling); 0: no budget, the preset's own step count (default: default 20, "
                         "full 180)")
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = apply_recipe(parser, given)  # --config RECIPE: the command's section becomes its defaults
     except USER_ERRORS as e:
         return fail(e)
+    except OSError as e:  # a recipe path over the name limit, a recipe one may not read
+        return fail_os(e)
     args = parser.parse_args(argv)
     if args.command in ("doctor", "serve"):  # before the library imports below: doctor answers in under a second
         return _doctor_or_serve(args)
@@ -196,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except USER_ERRORS as e:
         return fail(e)
+    except OSError as e:  # a path too long, an --out under a file or not writable: one line, not a traceback
+        return fail_os(e)
     except Exception as e:  # a corrupt weights file that no loader below named: still one line
         from safetensors import SafetensorError
 
@@ -222,9 +228,9 @@ def _bench(args, argv: list[str]) -> int:
     from draftsmith.stages.step_config import choose_for_drafting, load_target_for
 
     try:
-        temperatures = [float(t) for t in args.temperature.split(",")]
-    except ValueError as e:
-        raise UsageError(f"--temperature wants comma-separated numbers, got {args.temperature!r}") from e
+        temperatures = [finite_float(t) for t in args.temperature.split(",")]
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise UsageError(f"--temperature wants comma-separated finite numbers, got {args.temperature!r}") from e
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit), ("--turns", args.turns)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
@@ -437,6 +443,8 @@ def _doctor_or_serve(args) -> int:
                      engine_version=args.engine_version, vllm_bin=args.vllm_python or args.vllm_bin)
     except (DoctorUsageError, *USER_ERRORS) as e:
         return fail(e)
+    except OSError as e:
+        return fail_os(e)
 
 
 def _vllm_serve_args(args) -> list[str]:

@@ -13,6 +13,7 @@ Stages (each reads the previous stage's files and resumes when rerun):
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 import time
@@ -170,6 +171,9 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     p = replace(PRESETS[preset], **({"target": target} if target else {}), **overrides)
+    if p.minutes is not None and not (isinstance(p.minutes, int | float) and math.isfinite(p.minutes)
+                                      and p.minutes >= 0):
+        raise UsageError(f"minutes must be a finite number >= 0 (0 or None: no budget), not {p.minutes!r}")
     device = resolve_device(device)
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@ A recipe holds a whole run (``[generate]``, ``[capture]``, ``[train]``, ``[expor
 ...). Each command reads its own section; explicit flags win. Keys are the flag names in snake_case (or
 kebab-case, or the argparse dest); ``flag = true`` stands for a bare switch. Everything is decided here, at the
 CLI edge, against the real parser, so a key is valid exactly when the command has that flag. ``train`` reads
-its section itself (``stages/train/config.py``: its config file predates recipes and may be flat).
+its section with ``load_config`` (``stages/train/config.py``: its config file predates recipes and may be flat),
+after ``train_section`` checked the recipe's sections as here.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def apply_recipe(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """
     command, path = _scan(argv)
     sub = _subparsers(parser).get(command or "")
-    if sub is None or path is None or _has_own_config(sub):
-        return argv
+    if sub is None or path is None or _has_own_config(sub) or _wants_help(argv):
+        return argv  # --help prints the command's flags: it needs no recipe, and a recipe without its section
+        #              (or a broken one) must not hide the help
     section = _section(path, command)
     where = f"{path} [{command}]"
     keys = _keys(sub)
@@ -76,6 +78,21 @@ def apply_recipe(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     return argv
 
 
+def train_section(path: str | None) -> dict | None:
+    """``train --config FILE`` when FILE is a recipe (TOML with ``[command]`` tables): its ``[train]`` section,
+    read by the rules every command's section is (known sections only, the section present). None: no file, or
+    a flat train config (TOML or YAML fields), which ``load_config`` reads itself."""
+    if path is None or Path(path).suffix in (".yaml", ".yml") or not Path(path).is_file():
+        return None
+    try:
+        values = tomllib.loads(Path(path).read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
+        return None  # load_config names the file and the error
+    if not any(isinstance(v, dict) for v in values.values()):
+        return None
+    return _section(path, "train")
+
+
 def recipe_keys(parser: argparse.ArgumentParser, command: str) -> list[str]:
     """The keys a ``[command]`` section may hold (tests and docs list them)."""
     return sorted(_keys(_subparsers(parser)[command]))
@@ -107,9 +124,14 @@ def _scan(argv: list[str]) -> tuple[str | None, str | None]:
     path = None
     for i, arg in enumerate(rest):
         name, eq, value = arg.partition("=")
-        if len(name) >= len("--conf") and "--config".startswith(name):  # argparse accepts unique prefixes
+        if name == "--config":  # the exact flag: the parsers take no abbreviations (args.Parser)
             path = value if eq else (rest[i + 1] if i + 1 < len(rest) else None)
     return command, path
+
+
+def _wants_help(argv: list[str]) -> bool:
+    words = argv[: argv.index("--")] if "--" in argv else argv
+    return "-h" in words or "--help" in words
 
 
 def _given_options(argv: list[str]) -> set[str]:
@@ -193,16 +215,17 @@ def _scalar(action: argparse.Action, value, key: str, where: str):
             raise RecipeError(f"{where}: {key} takes one value, not a list")
         value = ",".join(str(v) for v in value)
     kind = action.type or str
-    if kind is float and isinstance(value, int):
+    base = getattr(kind, "base_type", kind)  # a checking type (args.finite_float) names the value it takes
+    if base is float and isinstance(value, int):
         value = float(value)
-    elif kind is str and isinstance(value, int | float):
+    elif base is str and isinstance(value, int | float):
         value = str(value)
-    elif not isinstance(value, str) and not isinstance(value, kind):
-        raise RecipeError(f"{where}: {key} wants {getattr(kind, '__name__', 'a value')}, not {value!r}")
-    if isinstance(value, str) and kind is not str:
+    elif not isinstance(value, str) and not isinstance(value, base):
+        raise RecipeError(f"{where}: {key} wants {getattr(base, '__name__', 'a value')}, not {value!r}")
+    if kind is not str and (isinstance(value, str) or base is not kind):  # the command line's checks, here too
         try:
             value = kind(value)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
             raise RecipeError(f"{where}: {key} = {value!r}: {e}") from e
     if action.choices is not None and value not in action.choices:
         raise RecipeError(f"{where}: {key} = {value!r}: choose from {', '.join(map(str, action.choices))}")

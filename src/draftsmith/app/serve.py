@@ -11,6 +11,7 @@ server module with that install's Python instead (``core.vllm_facts.vllm_serve_a
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftsmith.core.conventions import speculative_config
+from draftsmith.core.errors import UsageError
 from draftsmith.core.vllm_facts import vllm_serve_argv
 from draftsmith.stages.doctor import diagnose
 from draftsmith.stages.doctor.hub import parse_hub_id
@@ -76,6 +78,10 @@ def serve(target: str | Path, drafter: str | Path, num_speculative_tokens: int =
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    if port is not None and not 1 <= port <= 65535:
+        raise UsageError(f"--port must be a TCP port, 1 to 65535, not {port}")
+    if vllm_bin is not None:
+        check_executable(vllm_bin)
     report = diagnose(target, drafter, engine="vllm", engine_version=engine_version)
     print(report.summary(), file=err)
     if report.blocking and not force:
@@ -97,6 +103,18 @@ def serve(target: str | Path, drafter: str | Path, num_speculative_tokens: int =
         return subprocess.call(cmd)
     except KeyboardInterrupt:
         return 130
+    except OSError as e:  # not a program the kernel can run (exec format error, a directory, no permission)
+        raise UsageError(f"{cmd[0]}: cannot run it ({e.strerror or e}); pass --vllm-bin a vllm executable") from e
+
+
+def check_executable(path: str) -> None:
+    """``--vllm-bin``: a program that exists and may be run (``/etc/passwd`` is neither a Python nor a script)."""
+    found = shutil.which(path) or path
+    p = Path(found)
+    if not p.is_file():
+        raise UsageError(f"--vllm-bin {path}: no such executable file")
+    if not os.access(p, os.X_OK):
+        raise UsageError(f"--vllm-bin {path}: not executable (a vllm script, or a Python with vLLM installed)")
 
 
 def vllm_python_of(vllm_bin: str | None) -> str | None:
@@ -121,4 +139,4 @@ def vllm_python_of(vllm_bin: str | None) -> str | None:
     return str(sibling) if first == "#!/bin/sh" and sibling.is_file() else None
 
 
-__all__ = ["engine_model_name", "serve", "serve_command", "vllm_python_of"]
+__all__ = ["check_executable", "engine_model_name", "serve", "serve_command", "vllm_python_of"]

@@ -15,6 +15,7 @@ from draftsmith.app.args import (
     add_vllm_args,
     check_vllm_args,
     fail,
+    finite_float,
     parse_ints,
 )
 from draftsmith.core.errors import UsageError, one_line
@@ -51,7 +52,7 @@ def add_generate_parser(sub) -> None:
     add_vllm_args(p, omit=("data_parallel_size",), max_num_seqs=128, kv_cache_gib=2.0,
                   title="vllm backend (vLLM's offline engine in a child process)")
     for old, dest, kind in (("--vllm-max-num-seqs", "max_num_seqs", int),
-                            ("--vllm-kv-cache-gib", "kv_cache_gib", float)):  # the old names, hidden
+                            ("--vllm-kv-cache-gib", "kv_cache_gib", finite_float)):  # the old names, hidden
         p.add_argument(old, dest=dest, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g = p.add_argument_group("openai backend (vLLM, SGLang, ...)")
     g.add_argument("--server-url", action="append", default=[], metavar="URL",
@@ -61,13 +62,13 @@ def add_generate_parser(sub) -> None:
                    help="the served model's tokenizer; needed for --self-prompt and --max-input-length")
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY if set)")
     g.add_argument("--concurrency", type=int, default=16, help="conversations in flight (default 16)")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    g.add_argument("--timeout", type=finite_float, default=600.0, help="seconds per request (default 600)")
     g.add_argument("--retries", type=int, default=5,
                    help="retries on connection errors, 429 and 5xx, with exponential backoff (default 5)")
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn (default 512)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=finite_float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="sampling and self-prompting seed (default 0)")
     g.add_argument("--system", default=None, help="system prompt for conversations that have none")
     g.add_argument("--max-input-length", type=int, default=None, metavar="TOKENS",
@@ -135,7 +136,7 @@ def add_capture_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="read only the first N records")
     p.add_argument("--max-turns", type=int, default=None, metavar="N",
                    help="keep each conversation's first N user turns and their answers (default: all)")
-    p.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB (default 256)")
+    p.add_argument("--shard-mb", type=finite_float, default=256.0, help="shard size in MiB (default 256)")
     add_progress_arg(p)
     add_json_arg(p)
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
@@ -148,8 +149,8 @@ def capture(args) -> int:
     from draftsmith.stages.capture import CaptureConfig, run_capture, run_capture_vllm
 
     aux = parse_ints(args.aux_layers)
-    if args.shard_mb <= 0:
-        raise UsageError("--shard-mb must be positive")
+    if not 0 < args.shard_mb <= 2**20:  # a shard is written from memory: a TiB is past any machine's
+        raise UsageError(f"--shard-mb must be > 0 and at most {2**20} (1 TiB), not {args.shard_mb:g}")
     config = CaptureConfig(
         conversations=args.conversations, out=args.out, target=args.target, device=args.device,
         target_dtype=args.dtype, aux_layers=tuple(aux) if aux is not None else None,
@@ -237,7 +238,7 @@ def add_train_parser(sub) -> None:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                            help=f"{text} (default {'on' if f.default else 'off'})")
         else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
+            kind = {"int": int, "float": finite_float}.get(str(f.type), str)
             shown = "" if f.default is None else f" (default {f.default!r})"
             p.add_argument(flag, dest=name, type=kind, default=None, choices=f.metadata.get("choices"),
                            help=text + shown)
@@ -245,17 +246,22 @@ def add_train_parser(sub) -> None:
 
 
 def train(args) -> int:
+    from draftsmith.app.recipe import train_section
     from draftsmith.stages.train.config import TrainConfig, load_config
     from draftsmith.stages.train.run import train
 
     overrides = {k: getattr(args, k) for k in TrainConfig.fields() if getattr(args, k, None) is not None}
-    cfg = load_config(args.config, overrides)
+    section = train_section(args.config)  # a recipe: its [train] section, its other sections checked
+    cfg = load_config(args.config, overrides) if section is None else load_config(
+        None, {**{str(k).replace("-", "_"): v for k, v in section.items()}, **overrides})
     try:
         result = train(cfg)
     except KeyboardInterrupt:
         print(f"draftsmith: interrupted; checkpoints written so far are kept in {Path(cfg.out) / 'checkpoints'}, "
               "rerun with --resume to continue from the last", file=sys.stderr)
         return 130
+    if result.rank != 0:  # torchrun: one summary, rank 0's (another rank's evaluation saw none of the data)
+        return 0
     report = {"out": str(result.out), "steps": result.steps,
               "best_simulated_acceptance_length": result.best_simulated_acceptance_length,
               "last_eval": result.last_eval}

@@ -289,6 +289,9 @@ VLLM_PROFILES: dict[str, VllmProfile] = {
 def profile_for(version: str | tuple[int, int]) -> tuple[VllmProfile, bool]:
     """(profile, exact): exact is False when the version falls between or beyond tabulated ranges."""
     v = parse_version(version) if isinstance(version, str) else version
+    newest = max(VLLM_PROFILES.values(), key=lambda p: p.max_version)
+    if v > newest.max_version:  # a release after every table (1.x): the newest facts, not the 0.11-era ones
+        return newest, False
     for p in VLLM_PROFILES.values():
         if p.covers(v):
             exact = not (p.name == "0.32" and v > (0, 33))

@@ -77,11 +77,13 @@ def resolve_model_path(path: str | Path) -> tuple[Path, str | None]:
         raise FileNotFoundError(f"{path}: no such file or directory")
     if p.is_file():
         if p.suffix == ".gguf":
+            _check_gguf_tensors(p)
             return p.parent, p.name
         raise FileNotFoundError(f"{path}: not a model (expected a directory with config.json or a .gguf file)")
     if not (p / "config.json").is_file():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
+            _check_gguf_tensors(ggufs[0])
             return p, ggufs[0].name
         raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
     pickles = [f.name for f in sorted(p.iterdir()) if f.suffix in (".bin", ".pt", ".pth", ".ckpt")]
@@ -89,3 +91,23 @@ def resolve_model_path(path: str | Path) -> tuple[Path, str | None]:
         raise UsageError(f"{path}: only pickle weights ({', '.join(pickles[:3])}): draftsmith loads safetensors "
                          "only, since unpickling can run code; convert them (save_pretrained writes safetensors)")
     return p, None
+
+
+def gguf_tensor_count(path: Path) -> int:
+    """The tensor count a GGUF header states (24 bytes read); UsageError for a file without a GGUF header."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise UsageError(f"{path}: not a GGUF file (no GGUF header)")
+    order = "little" if int.from_bytes(head[4:8], "little") < 1 << 16 else "big"  # the version says the byte order
+    if int.from_bytes(head[4:8], order) == 1:  # version 1 counted in 32 bits
+        return int.from_bytes(head[8:12], order)
+    return int.from_bytes(head[8:16], order)
+
+
+def _check_gguf_tensors(path: Path) -> None:
+    """transformers builds the model from a GGUF's metadata and leaves every weight the file lacks at its random
+    initialisation: a GGUF with no tensors would decode, capture and train on noise, with exit 0."""
+    if gguf_tensor_count(path) == 0:
+        raise UsageError(f"{path}: a GGUF with no tensors (metadata only); a model loaded from it would run on "
+                         "random weights")

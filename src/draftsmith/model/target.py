@@ -411,7 +411,7 @@ def load_target(
     for auto in _auto_classes():
         try:
             with corrupt_weights_named(model_dir):
-                model = auto.from_pretrained(model_dir, dtype=dtype, **extra)
+                model, info = auto.from_pretrained(model_dir, dtype=dtype, output_loading_info=True, **extra)
             break
         except ValueError as e:  # config not mapped by this auto class
             errors.append(f"{auto.__name__}: {str(e).splitlines()[0]}")
@@ -422,6 +422,10 @@ def load_target(
                               "size edited?)") from e
     if model is None:
         raise TargetError(f"{path}: no causal LM class for this config ({'; '.join(errors)})")
+    missing = sorted(info.get("missing_keys") or ()) if gguf_file else []
+    if missing:  # transformers left them at their random initialisation: decoding would run on noise
+        raise TargetError(f"{path}: the GGUF lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+                          f"{', ...' if len(missing) > 3 else ''}); a model loaded from it would run on random weights")
     model.to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **({"gguf_file": gguf_file} if gguf_file else {}))

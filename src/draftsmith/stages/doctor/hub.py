@@ -12,12 +12,21 @@ already holds or from a few kilobytes of the hub. Resolution order (``resolve_hu
 
 A hub id that cannot be resolved is a ``HubResolutionError`` (one line, exit 2) naming the command that fixes it.
 The environment is read at call time (``huggingface_hub`` reads it once, at import).
+
+Every hub call runs under a deadline (``hub_timeout``: ``$DRAFTSMITH_HUB_TIMEOUT`` seconds, default 30):
+huggingface_hub's repo listing sends its requests with no timeout, so a proxy or captive portal that accepts the
+connection and never answers would hang doctor and serve for good. The call runs in a daemon thread, abandoned
+(and ended with the process) when the deadline passes; huggingface_hub downloads into ``.incomplete`` files and
+renames, so an abandoned download leaves no half file in the snapshot.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +39,8 @@ METADATA_PATTERNS = ("*.json", "tokenizer*", "*.jinja", "*.tiktoken", "tokenizer
                      "spiece.model", "merges.txt", "vocab.txt")
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+)(?:@(?P<rev>[A-Za-z0-9_./-]+))?$")
 _TRUE = {"1", "on", "yes", "true"}
+TIMEOUT_ENV = "DRAFTSMITH_HUB_TIMEOUT"
+DEFAULT_TIMEOUT_S = 30.0  # the metadata files and headers of a model are a few MB: seconds on any working link
 
 
 class HubResolutionError(DoctorUsageError):
@@ -67,7 +78,7 @@ class HubModel:
 def parse_hub_id(text: str | Path) -> HubRef | None:
     """``ORG/NAME`` or ``ORG/NAME@REVISION`` -> HubRef; None for anything else (an absolute or ./ path, a bare name)."""
     m = _HUB_ID.match(str(text))
-    if m is None or ".." in m["repo"] or m["repo"].endswith((".", "-")):
+    if m is None or ".." in m["repo"] or m["repo"].endswith((".", "-")) or len(m["repo"]) > 96:  # the hub's limit
         return None
     return HubRef(m["repo"], m["rev"])
 
@@ -86,6 +97,46 @@ def hub_offline(env: dict[str, str] | None = None) -> bool:
     return (env.get("HF_HUB_OFFLINE") or "").strip().lower() in _TRUE
 
 
+def hub_timeout(env: dict[str, str] | None = None) -> float:
+    """Seconds each hub call may take: ``$DRAFTSMITH_HUB_TIMEOUT``, else 30."""
+    env = os.environ if env is None else env
+    text = (env.get(TIMEOUT_ENV) or "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise HubResolutionError(f"{TIMEOUT_ENV}={text!r}: not a positive number of seconds")
+    return value
+
+
+class HubTimeout(TimeoutError):
+    """A hub call that did not finish within ``hub_timeout``."""
+
+
+def within(seconds: float, call: Callable, *args, **kwargs):
+    """``call(*args, **kwargs)``, or HubTimeout after ``seconds``: the call runs in a daemon thread that is
+    abandoned then (a socket read cannot be interrupted from outside; the process ends it)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="draftsmith-hub-call", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise HubTimeout(f"no answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def download_hint(ref: HubRef) -> str:
     rev = f" --revision {ref.revision}" if ref.revision else ""
     return f'hf download {ref.repo_id}{rev} --include "*.json" "tokenizer*"'
@@ -96,8 +147,11 @@ def resolve_hub(arg: str | Path, env: dict[str, str] | None = None) -> HubModel 
 
     Raises HubResolutionError when it is a hub id that the cache lacks and offline mode (or the hub) refuses.
     """
-    if Path(arg).expanduser().exists():
-        return None
+    try:
+        if Path(arg).expanduser().exists():
+            return None
+    except OSError as e:  # a component over the file system's name limit (ENAMETOOLONG): not a path, nor an id
+        raise HubResolutionError(f"{str(arg)[:80]}...: not a usable path ({e.strerror or e})") from e
     ref = parse_hub_id(arg)
     if ref is None:
         return None
@@ -107,9 +161,14 @@ def resolve_hub(arg: str | Path, env: dict[str, str] | None = None) -> HubModel 
         return found
     if hub_offline(env):
         raise HubResolutionError(
-            f"{ref}: no such directory, and not in the Hugging Face cache ({cache}) while HF_HUB_OFFLINE is set; "
+            f"{ref}: no such local folder, and not in the Hugging Face cache ({cache}) while HF_HUB_OFFLINE is set; "
             f"run `{download_hint(ref)}` (metadata only, no weights) or unset HF_HUB_OFFLINE")
-    return _from_hub(ref, cache)
+    parent = Path(ref.repo_id).parent
+    if parent.is_dir():  # runs/drafterr: a mistyped local path, not a hub id; asking the hub would only add a wait
+        raise HubResolutionError(
+            f"{arg}: no such local folder ({parent}/ exists here, so this reads as a mistyped path), and not in "
+            f"the Hugging Face cache; for the hub model, run `{download_hint(ref)}` first")
+    return _from_hub(ref, cache, hub_timeout(env))
 
 
 def _from_cache(ref: HubRef, cache: Path) -> HubModel | None:
@@ -141,39 +200,47 @@ def _cached_listing(ref: HubRef, commit: str, cache: Path) -> tuple[str, ...] | 
         return None
 
 
-def _from_hub(ref: HubRef, cache: Path) -> HubModel:
+def _from_hub(ref: HubRef, cache: Path, timeout: float = DEFAULT_TIMEOUT_S) -> HubModel:
     """Download the metadata files into the cache and read the safetensors headers by range requests."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        folder = Path(snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache,
-                                        allow_patterns=list(METADATA_PATTERNS)))
+        folder = Path(within(timeout, snapshot_download, ref.repo_id, revision=ref.revision, cache_dir=cache,
+                             allow_patterns=list(METADATA_PATTERNS), etag_timeout=timeout))
+    except HubTimeout as e:
+        endpoint = os.environ.get("HF_ENDPOINT") or "the hub"
+        raise HubResolutionError(
+            f"{ref}: no such local folder, not in the Hugging Face cache, and {endpoint} did not answer within "
+            f"{timeout:g} s (a stalled proxy?); set {TIMEOUT_ENV} to wait longer, or run `{download_hint(ref)}` "
+            "where the hub answers") from e
     except GatedRepoError as e:
         raise HubResolutionError(f"{ref}: a gated repository: accept its terms on the hub and log in "
                                  f"(hf auth login), then rerun ({_short(e)})") from e
     except RevisionNotFoundError as e:
         raise HubResolutionError(f"{ref}: the hub has no revision {ref.revision!r}") from e
     except RepositoryNotFoundError as e:
-        raise HubResolutionError(f"{ref}: no such directory, and no such model on the hub (or it is private: "
+        raise HubResolutionError(f"{ref}: no such local folder, and no such model on the hub (or it is private: "
                                  "hf auth login)") from e
     except Exception as e:  # noqa: BLE001 (no connection, hub down: one line, with the offline route)
-        raise HubResolutionError(f"{ref}: not in the Hugging Face cache and the hub cannot be reached "
+        raise HubResolutionError(f"{ref}: no such local folder, not in the Hugging Face cache, and the hub cannot "
+                                 "be reached "
                                  f"({_short(e)}); run `{download_hint(ref)}` where there is a network") from e
     if not (folder / "config.json").is_file():
         raise HubResolutionError(f"{ref}: the repository has no config.json at its top (not a transformers model)")
     commit = folder.name
     return HubModel(ref, folder, commit, "hub", _cached_listing(ref, commit, cache),
-                    _remote_headers(ref.repo_id, commit, folder))
+                    _remote_headers(ref.repo_id, commit, folder, timeout))
 
 
-def _remote_headers(repo_id: str, commit: str, folder: Path) -> dict[str, dict[str, TensorInfo]] | None:
+def _remote_headers(repo_id: str, commit: str, folder: Path,
+                    timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, dict[str, TensorInfo]] | None:
     """Each safetensors file's header, read from the hub by HTTP range requests (no tensor data)."""
     from huggingface_hub import get_safetensors_metadata
     from huggingface_hub.errors import NotASafetensorsRepoError
 
     try:
-        meta = get_safetensors_metadata(repo_id, revision=commit)
+        meta = within(timeout, get_safetensors_metadata, repo_id, revision=commit)
     except NotASafetensorsRepoError:
         return {}
     except Exception:  # noqa: BLE001 (headers unreadable now: the weights are reported as not checked)
@@ -193,4 +260,4 @@ def _short(e: BaseException) -> str:
 
 
 __all__ = ["METADATA_PATTERNS", "HubModel", "HubRef", "HubResolutionError", "download_hint", "hub_cache_dir",
-           "hub_offline", "parse_hub_id", "resolve_hub"]
+           "hub_offline", "hub_timeout", "parse_hub_id", "resolve_hub"]

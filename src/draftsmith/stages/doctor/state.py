@@ -8,6 +8,7 @@ then takes these frozen records instead of reading files again.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from draftsmith.stages.doctor.report import Findings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
                    "spiece.model")
+# The files a tokenizer's vocabulary comes from: tokenizer_config.json alone names a class (TokenizersBackend,
+# LlamaTokenizerFast, ...) but holds no vocabulary, and no tokenizer can be built from it.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
 # --- the engine -------------------------------------------------------------------------------------------------
@@ -109,6 +113,10 @@ def load_target(out: Findings, path: Path) -> TargetFiles | None:
     archs = raw.get("architectures") or []
     present = tuple(n for n in TOKENIZER_FILES if (path / n).is_file())
     tok_json, tok_cfg, errors = None, {}, []
+    for name in (*TOKENIZER_FILES, *(n for n in VOCABULARY_FILES if n not in TOKENIZER_FILES)):
+        link = path / name
+        if link.is_symlink() and not link.exists():  # a hub cache whose blob went, a copy made with links
+            errors.append(f"{name}: a symlink to a missing file ({os.readlink(link)})")
     if present:  # each file parsed once: a real tokenizer.json is megabytes
         tok_json, err = _parse_json(path / "tokenizer.json")
         errors += [f"tokenizer.json: {err}"] if err else []
@@ -135,6 +143,12 @@ def _parse_json(path: Path) -> tuple[dict | None, str | None]:
     except (OSError, ValueError) as e:
         return None, str(e)
     return (value, None) if isinstance(value, dict) else (None, "not a JSON object")
+
+
+def vocabulary_files(path: Path) -> tuple[str, ...]:
+    """The vocabulary files in ``path`` (``VOCABULARY_FILES``, or a ``*.tiktoken``) that are readable files."""
+    found = [n for n in VOCABULARY_FILES if (path / n).is_file()]
+    return tuple(found + sorted(p.name for p in path.glob("*.tiktoken") if p.is_file()))
 
 
 def _tokenizer_size(tj: dict | None, tok_cfg: dict) -> tuple[int | None, str]:

@@ -6,7 +6,13 @@ import contextlib
 from pathlib import Path
 
 from draftsmith.stages.doctor.report import Findings
-from draftsmith.stages.doctor.state import TOKENIZER_FILES, EngineFacts, TargetFiles
+from draftsmith.stages.doctor.state import (
+    TOKENIZER_FILES,
+    VOCABULARY_FILES,
+    EngineFacts,
+    TargetFiles,
+    vocabulary_files,
+)
 
 
 def check_target(out: Findings, engine: EngineFacts, t: TargetFiles) -> None:
@@ -60,7 +66,7 @@ def _check_decoder_layers(out: Findings, engine: EngineFacts, t: TargetFiles) ->
 
 def check_tokenizer(out: Findings, t: TargetFiles) -> None:
     """Tokenizer files next to the target, a chat template, no token id beyond the vocabulary."""
-    if not t.tokenizer_files:
+    if not t.tokenizer_files and not t.tokenizer_errors:
         out.add("tokenizer.missing", "warning", "no tokenizer files next to the target: training data, the "
                 "draft vocabulary and serving all depend on the exact tokenizer",
                 f"{t.path}: none of {', '.join(TOKENIZER_FILES)}",
@@ -72,6 +78,13 @@ def check_tokenizer(out: Findings, t: TargetFiles) -> None:
                 f"{t.path}: {', '.join(e.split(':')[0] for e in t.tokenizer_errors)}",
                 "copy the tokenizer files again from the model's release")
     tok_cfg = t.tokenizer_config
+    if not vocabulary_files(t.path) and not t.tokenizer_errors:
+        named = tok_cfg.get("tokenizer_class")
+        out.add("tokenizer.no-vocabulary", "error", f"{', '.join(t.tokenizer_files)} but no vocabulary file: no "
+                f"tokenizer can be built from this folder{f' ({named} reads tokenizer.json)' if named else ''}; "
+                "draftsmith refuses it and engines fail at load",
+                f"{t.path}: none of {', '.join(VOCABULARY_FILES)}",
+                "copy tokenizer.json (or the model's tokenizer.model / vocab files) from the model's release")
     template = (tok_cfg.get("chat_template") or (t.path / "chat_template.jinja").is_file()
                 or (t.path / "chat_template.json").is_file())
     if not template:

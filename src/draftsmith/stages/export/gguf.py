@@ -102,7 +102,7 @@ def read_target_gguf(target: str | Path) -> TargetGguf:
         found = sorted(path.glob("*.gguf"))
         if len(found) != 1:
             raise ExportError(f"{target}: the gguf format needs the target's .gguf file (llama.cpp serves it and "
-                              "its tokenizer goes into the draft); found {len(found)} in that directory")
+                              f"its tokenizer goes into the draft); found {len(found)} in that directory")
         path = found[0]
     if not path.is_file() or path.suffix != ".gguf":
         raise ExportError(f"{target}: the gguf format needs the target's .gguf file (llama.cpp serves it and its "

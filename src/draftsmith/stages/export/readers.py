@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from draftsmith.core.conventions import (
     to_sglang_layer_ids,
 )
 from draftsmith.core.errors import one_line
+from draftsmith.core.io import carry_over, replace_dir, restore_dir, staging_dir
 from draftsmith.core.layouts import detect_layout
 from draftsmith.core.tensorfile import CorruptWeightsError, corrupt_weights_named
 from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig, check_config_sizes
@@ -66,13 +68,26 @@ def import_drafter(src: str | Path, out: str | Path, fmt: str = "auto", *, aux_l
     dropped: list[str] = []
     ckpt = read_checkpoint(src, fmt, aux_layers=aux_layers, dropped=dropped)
     drafter = ckpt.build()
+    if out.is_symlink():  # the swap below replaces a directory: the one the link names
+        out = out.resolve()
+    restore_dir(out)
     _check_out(out, overwrite)
-    drafter.save(out)
-    if not ckpt.aux_known:  # save() wrote the placeholder ids build() needed; record "unknown" instead
-        cfg_file = out / "config.json"
-        d = json.loads(cfg_file.read_text())
-        d["eagle_aux_hidden_state_layer_ids"] = []
-        cfg_file.write_text(json.dumps(d, indent=2))
+    # Written whole into a sibling, then swapped in (core.io.replace_dir): a kill during --force over an older
+    # import leaves that one or this one, never this one's weights under its config.
+    staging = staging_dir(out)
+    try:
+        drafter.save(staging)
+        if not ckpt.aux_known:  # save() wrote the placeholder ids build() needed; record "unknown" instead
+            cfg_file = staging / "config.json"
+            d = json.loads(cfg_file.read_text())
+            d["eagle_aux_hidden_state_layer_ids"] = []
+            cfg_file.write_text(json.dumps(d, indent=2))
+        if out.is_dir():
+            carry_over(out, staging, skip={"config.json", WEIGHTS_FILE, MANIFEST_FILE})
+        replace_dir(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
     for n in ckpt.warnings:
         warnings.warn(n, stacklevel=2)
     return ImportReport(format=ckpt.source_format, source=src, path=out,
@@ -90,8 +105,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
             raise ExportError(f"{out}: holds other weight files {stale}; use an empty directory")
         if not overwrite and any((out / n).exists() for n in ("config.json", WEIGHTS_FILE, MANIFEST_FILE)):
             raise ExportError(f"{out}: already holds a checkpoint; pass overwrite=True (--force) to replace it")
-        # A leftover export manifest would make detect_format call the native checkpoint an engine layout.
-        (out / MANIFEST_FILE).unlink(missing_ok=True)
+        # A leftover export manifest would make detect_format call the native checkpoint an engine layout: the
+        # swap leaves it behind (carry_over skips it).
 
 
 def detect_format(path: str | Path) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from draftsmith.core.conventions import (
     speculative_config,
     to_sglang_layer_ids,
 )
-from draftsmith.core.io import atomic_write
+from draftsmith.core.io import atomic_write, carry_over, replace_dir, restore_dir, staging_dir
 from draftsmith.core.vllm_facts import vllm_serve_argv
 from draftsmith.model.drafter import WEIGHTS_FILE, DrafterConfig, Eagle3Drafter
 from draftsmith.stages.export.checkpoint import (
@@ -360,21 +361,34 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: dict, overwrite: bool) -> None:
-    """Write config, weights and manifest, each atomically; refuse to mix with another checkpoint's files."""
+    """Write config, weights and manifest into a new sibling directory, then swap it in as one step: a kill at
+    any point leaves the old export or the new one, never new weights under an old config (whose aux ids may
+    differ, which no loader would notice). Refuse to mix with another checkpoint's files."""
     from safetensors.torch import save as st_save
 
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_symlink():  # the swap replaces a directory: the one the link names, not the link
+        out = out.resolve()
+    restore_dir(out)  # a swap a kill interrupted: the old export back in place before it is judged
     ours = {"config.json", WEIGHTS_FILE, MANIFEST_FILE}
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours and (
-        p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name.endswith(".index.json")))
-    if foreign:
-        raise ExportError(f"{out}: holds other weight files {foreign}; an engine could load those instead. "
-                          "Use an empty directory")
-    if not overwrite and any((out / n).exists() for n in ours):
-        raise ExportError(f"{out}: already holds a checkpoint; pass overwrite=True (--force) to replace it")
-    atomic_write(out / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
-    atomic_write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    atomic_write(out / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours and (
+            p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name.endswith(".index.json")))
+        if foreign:
+            raise ExportError(f"{out}: holds other weight files {foreign}; an engine could load those instead. "
+                              "Use an empty directory")
+        if not overwrite and any((out / n).exists() for n in ours):
+            raise ExportError(f"{out}: already holds a checkpoint; pass overwrite=True (--force) to replace it")
+    staging = staging_dir(out)
+    try:
+        atomic_write(staging / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
+        atomic_write(staging / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+        atomic_write(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
+        if out.is_dir():
+            carry_over(out, staging, skip=ours)
+        replace_dir(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def target_embeddings(target: str | Path, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -247,7 +247,7 @@ def generate(config: GenerateConfig, *, target: Any | None = None) -> GenerateSu
     try:
         return _generate(cfg, out, target)
     finally:
-        lock.release()
+        lock.release(remove=True)  # a lock file left beside --out after the run only puzzles
 
 
 def _lock_out(out: Path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -173,6 +174,10 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TrainError(f"unknown config key {key!r}{hint}")
+        kind = str(known[key].type).split(" |")[0]
+        if kind in ("int", "float") and isinstance(values[key], str):  # "3", as the other commands' recipes take
+            with contextlib.suppress(ValueError):  # validate() names a value that does not parse
+                values[key] = int(values[key]) if kind == "int" else float(values[key])
     cfg = TrainConfig(**values)
     cfg.validate()
     return cfg

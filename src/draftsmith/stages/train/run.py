@@ -44,6 +44,7 @@ class TrainResult:
     steps: int
     best_simulated_acceptance_length: float
     last_eval: dict
+    rank: int = 0  # under torchrun only rank 0 reports (the others' evaluation numbers are not the run's)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -132,7 +133,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     train_idx = first_samples(source.ids, train_idx, cfg.train_samples)
     step_ceiling = _total_steps(cfg, train_idx, source.lengths, world)
     params, opt, sched = _setup_optimizer(cfg, drafter, step_ceiling, world)
-    state = _setup_state(cfg, out, drafter, opt, sched)
+    state = _setup_state(cfg, out, drafter, opt, sched, world)
     total_steps = int(state.get("planned_steps", step_ceiling))  # a time budget's plan (its schedule is restored)
     started -= state.get("elapsed_s", 0.0)  # a resumed run's budget counts the time its checkpoint already spent
     autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world)
@@ -156,7 +157,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
             save_drafter_atomic(drafter, out / "best")
         if cfg.plot:
             plot_run(out)
-    return TrainResult(out, state["step"], state["best_tau"], last_eval)
+    return TrainResult(out, state["step"], state["best_tau"], last_eval, rank)
 
 
 # --- setup ------------------------------------------------------------------------------------------------
@@ -273,6 +274,10 @@ def _setup_teacher(drafter: Eagle3Drafter, heads, device: torch.device, autocast
 def _total_steps(cfg: TrainConfig, train_idx: list[int], lengths: list[int], world: int) -> int:
     """``max_steps``, else the optimizer steps ``epochs`` passes over this rank's share of the batches give."""
     batches_per_epoch = len(make_batches(train_idx, lengths, cfg.batch_tokens, cfg.seed)) // world
+    if cfg.grad_accum > batches_per_epoch > 0:  # refused here, before --out holds anything (the loop checks
+        # each epoch's own count too)
+        raise TrainError(f"--grad-accum {cfg.grad_accum} is more than the {batches_per_epoch} micro-batch(es) an "
+                         "epoch has here per rank; lower --grad-accum or --batch-tokens")
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
     return cfg.max_steps or steps_per_epoch * cfg.epochs
 
@@ -333,11 +338,21 @@ def _setup_autocast(cfg: TrainConfig, device: torch.device, drafter, heads, sour
     return on
 
 
-def _setup_state(cfg: TrainConfig, out: Path, drafter, opt, sched) -> dict:
-    """A fresh position, or the checkpoint's with ``resume``; a fresh run refuses a directory holding one."""
-    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_tau": 0.0, "config_hash": config_hash(cfg)}
+def _setup_state(cfg: TrainConfig, out: Path, drafter, opt, sched, world: int = 1) -> dict:
+    """A fresh position, or the checkpoint's with ``resume``; a fresh run refuses a directory holding one.
+
+    A resume must run with the processes the run had: each rank trains on its share of every batch, so another
+    count changes the tokens per optimizer step and which batches the saved position points at."""
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best_tau": 0.0, "config_hash": config_hash(cfg),
+             "world": world}
     if cfg.resume:
         state = load_checkpoint(out, cfg, drafter, opt, sched)
+        saved = int(state.get("world", world))  # checkpoints written before the count was kept: not known
+        if saved != world:
+            raise TrainError(f"--resume: {out} was trained by {saved} process(es) (torchrun --nproc-per-node "
+                             f"{saved}), this run has {world}; resume it with {saved}: the batch per optimizer "
+                             "step and the saved position in the data depend on the count")
+        state["world"] = world
     elif _holds_checkpoint(out):
         raise TrainError(f"{out} already holds a run: pass --resume to continue it or choose another --out")
     return state
