@@ -181,3 +181,47 @@ def test_dflash2_is_refused_with_a_reason(tmp_path):
     write_released(tmp_path / "s", cfg, src.state)
     with pytest.raises(ExportError, match="DFlash2"):
         read_block_checkpoint(tmp_path / "s")
+
+
+# --- draftsmith's own drafter, through the CLI ---------------------------------------------------------------
+def _native(tmp_path, kind="dspark", **over):
+    from draftsmith.model.block_drafter import BlockDrafter, BlockDrafterConfig
+
+    extra = dict(sample_from_anchor=True, markov_rank=8, enable_confidence_head=True,
+                 confidence_head_with_markov=True) if kind == "dspark" else {}
+    cfg = BlockDrafterConfig(kind=kind, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                             draft_vocab_size=256, target_hidden_size=64, target_layer_ids=(1, 3, 5), block_size=4,
+                             mask_token_id=3, **{**extra, **over})
+    torch.manual_seed(0)
+    d = BlockDrafter(cfg)
+    return d, d.save(tmp_path / f"native-{kind}")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+def test_cli_export_then_import_gives_back_the_drafter(tmp_path, kind, fmt):
+    from draftsmith.cli import main
+    from draftsmith.model.block_drafter import load_block_drafter
+
+    d, native = _native(tmp_path, kind)
+    assert main(["export", "--drafter", str(native), "--format", fmt, "--out", str(tmp_path / "e"),
+                 "--export-dtype", "float32", "--verifier", "org/target"]) == 0
+    assert main(["import", "--from", str(tmp_path / "e"), "--out", str(tmp_path / "back")]) == 0
+    back = load_block_drafter(tmp_path / "back")
+    assert back.config.target_layer_ids == d.config.target_layer_ids == (1, 3, 5)
+    assert back.config.sample_from_anchor == d.config.sample_from_anchor
+    for name, t in d.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+
+
+def test_import_zlab_needs_the_target_head():
+    """A z-lab release has no lm_head; import refuses without a target and copies the target's rows with one."""
+    from draftsmith.stages.export.block_kind import drafter_from_checkpoint
+
+    src = random_block_checkpoint(tiny_spec("dflash"), lm_head=False)
+    with pytest.raises(ExportError, match="no lm_head"):
+        drafter_from_checkpoint(src)
+    head = torch.randn(256, 64)
+    d = drafter_from_checkpoint(src, lm_head_from=head)
+    assert torch.equal(d.lm_head.weight, head)

@@ -70,7 +70,7 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
         check_vllm_target(out, engine, t)
     if is_block_dir(drafter_dir):  # a DFlash/DSpark drafter: its own checks (the EAGLE-3 ones do not apply)
         check_block_drafter(out, engine.name, t, drafter_dir, engine_version=engine.version,
-                            on_cpu=_vllm_on_cpu() if engine.name == "vllm" else True)
+                            on_cpu=engine.name == "vllm" and _vllm_on_cpu())
         return
     d = load_drafter(out, drafter_dir, drafter_hub) if drafter_dir is not None else None
     if d is None:

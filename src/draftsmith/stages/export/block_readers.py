@@ -63,6 +63,8 @@ def read_block_checkpoint(path: str | Path) -> BlockCheckpoint:
         raise ExportError(f"{path}: a DFlash2 drafter (grouped convolutions and a selector head): draftsmith "
                           "reads DFlash and DSpark only")
     spec = _spec(raw, layout, kind, state, path, notes)
+    if not spec.target and isinstance(manifest_of(path).get("target"), dict):  # a draftsmith export says it
+        spec.target = manifest_of(path)["target"]
     ckpt = BlockCheckpoint(spec=spec, state=state, source=str(path), source_format=layout, warnings=notes)
     return ckpt.validate()
 
