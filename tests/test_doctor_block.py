@@ -15,7 +15,7 @@ import pytest
 from draftsmith.core import vllm_facts
 from draftsmith.core.pysource import VllmSource
 from draftsmith.stages.doctor import diagnose
-from draftsmith.stages.export.block import export_block
+from draftsmith.stages.export.block import ExportError, export_block
 from draftsmith.testing.blocks import random_block_checkpoint, tiny_spec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
@@ -127,3 +127,48 @@ def test_block_size_against_speculative_tokens(tmp_path, target):
     (d / "config.json").write_text(json.dumps(cfg))
     r = diagnose(target, d, engine="vllm", engine_version="0.32")
     assert any(f.id == "block.size" and f.severity == "warning" for f in r.findings)
+
+
+# --- llama.cpp: a dflash GGUF or a block directory against the target it serves ---------------------------------
+def _tiny_target_gguf(path: Path, layers: int = 8, width: int = 128, vocab: int = 256) -> Path:
+    """A keys-only llama GGUF (no tensors): what the export and doctor read of a target."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(layers)
+    w.add_embedding_length(width)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_llamacpp_block_gguf_is_clean_and_layers_out_of_range_are_not(tmp_path, kind):
+    from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
+    from draftsmith.stages.export.block_gguf import export_block_gguf
+
+    tg = _tiny_target_gguf(tmp_path / "t.gguf")
+    spec = tiny_spec(kind, hidden_size=128, target_hidden_size=128, head_dim=32)
+    gguf = export_block_gguf(random_block_checkpoint(spec), tmp_path / "d.gguf", target=tg, dtype="fp32").path
+    r = diagnose_llamacpp(tg, gguf)
+    assert r.ids("error") == [], r.summary()
+    assert r.facts["block_kind"] == kind and r.facts["block_layer_ids"] == [2, 4, 6]
+    shallow = _tiny_target_gguf(tmp_path / "shallow.gguf", layers=5)
+    assert "block.layers" in diagnose_llamacpp(shallow, gguf).ids("error")
+
+
+def test_llamacpp_block_export_refuses_what_it_would_misread(tmp_path):
+    from draftsmith.stages.export.block_gguf import export_block_gguf
+
+    tg = _tiny_target_gguf(tmp_path / "t.gguf")
+    narrow = tiny_spec("dflash", hidden_size=64, target_hidden_size=128, head_dim=16)
+    with pytest.raises(ExportError, match="as wide as the target"):
+        export_block_gguf(random_block_checkpoint(narrow), tmp_path / "a.gguf", target=tg)
+    gated = tiny_spec("dspark", hidden_size=128, target_hidden_size=128, head_dim=32, markov_head_type="gated")
+    with pytest.raises(ExportError, match="vanilla"):
+        export_block_gguf(random_block_checkpoint(gated), tmp_path / "b.gguf", target=tg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.gguf"]  # nothing half-written

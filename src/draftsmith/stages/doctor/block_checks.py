@@ -8,6 +8,7 @@ the block size and slot convention, the mask token and the Markov head. The engi
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.core import block_facts as bf
@@ -48,7 +49,23 @@ def layer_ids(raw: dict, layout: str) -> tuple[list[int] | None, str]:
     return None, "no target_layer_ids"
 
 
-def check_block_drafter(out: Findings, engine: str, t: TargetFiles | None, drafter: Path,
+@dataclass(frozen=True)
+class TargetShape:
+    """What the block checks read of a target, from a model directory or a GGUF alike."""
+
+    num_layers: int | None
+    vocab_size: int | None  # embedding rows
+    tokenizer_size: int | None
+
+    @classmethod
+    def of(cls, t: TargetFiles | None) -> TargetShape:
+        if t is None:
+            return cls(None, None, None)
+        ints = [v if isinstance(v, int) else None for v in (t.num_layers, t.vocab_size)]
+        return cls(*ints, t.tokenizer_size)
+
+
+def check_block_drafter(out: Findings, engine: str, t: TargetShape, drafter: Path,
                         num_speculative_tokens: int | None = None, *, engine_version: str | None = None,
                         on_cpu: bool = True) -> None:
     """Every block-drafter finding for ``engine`` (vllm, sglang, llamacpp, draftsmith)."""
@@ -90,14 +107,14 @@ def check_block_drafter(out: Findings, engine: str, t: TargetFiles | None, draft
             out.add(f.id, f.severity, f.message, ev, f.fix, engine_fact=True)
 
 
-def _check_layers(out: Findings, t: TargetFiles | None, ids: list[int] | None, evidence: str, ev: str,
+def _check_layers(out: Findings, t: TargetShape, ids: list[int] | None, evidence: str, ev: str,
                   engine: str) -> None:
     if ids is None:
         out.add("block.layers", "warning", "the config lists no target layers: engines fall back to their own "
                 "defaults (z-lab's build_target_layer_ids), which may not be the layers it was trained on",
                 ev, "state target_layer_ids (draftsmith export does)")
         return
-    n = t.num_layers if t is not None and isinstance(t.num_layers, int) else None
+    n = t.num_layers
     if n is not None and any(not 0 <= i < n for i in ids):
         out.add("block.layers", "error", f"target layers {ids} (draftsmith numbering) fall outside the target's "
                 f"{n} layers: vLLM stops with \"DFlash drafter expects ... concatenated aux hidden features\", "
@@ -108,10 +125,9 @@ def _check_layers(out: Findings, t: TargetFiles | None, ids: list[int] | None, e
                 "output-of-layer numbering (its ids must be >= 0 after subtracting one)", f"{ev}: {evidence}")
 
 
-def _check_mask(out: Findings, t: TargetFiles | None, mask, raw: dict, kind: str | None, engine: str,
+def _check_mask(out: Findings, t: TargetShape, mask, raw: dict, kind: str | None, engine: str,
                 ev: str) -> None:
-    rows = t.vocab_size if t is not None and isinstance(t.vocab_size, int) else None
-    tok = t.tokenizer_size if t is not None else None
+    rows, tok = t.vocab_size, t.tokenizer_size
     if mask is None and engine == "sglang" and kind == "dflash":
         mask_name = (raw.get("dflash_config") or {}).get("mask_token") or bf.DEFAULT_MASK_TOKEN
         out.add("block.mask", "warning", f"no mask_token_id: SGLang's DFlash looks up the token {mask_name!r} in the "
@@ -132,3 +148,41 @@ def _check_llamacpp_width(out: Findings, q: dict, raw: dict, ev: str) -> None:
                 f"({width}), but the target's states are {target} wide: the drafter cannot load there",
                 f"{ev}: hidden_size = {width}, target_hidden_size = {target}",
                 "train a drafter as wide as the target for llama.cpp")
+
+
+def check_block_gguf(out: Findings, t: TargetShape, target_hidden: int | None, path: Path) -> None:
+    """A ``dflash`` GGUF against the target llama.cpp serves: layers, width, mask token, and which --spec-type
+    reads its blocks as trained (the DFlash type always fills in; the DSpark type reads sample_from_anchor)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    f = {k: v.contents() for k, v in reader.fields.items() if k.startswith(("dflash.", "tokenizer.ggml.mask"))}
+    tensors = {x.name: [int(n) for n in x.shape] for x in reader.tensors}
+    ev = f"{path}: dflash.*"
+    ids = f.get("dflash.target_layers")
+    kind = "dspark" if "markov_w1.weight" in tensors else "dflash"
+    anchor_first = f.get("dflash.sample_from_anchor", True)
+    slot = bf.ANCHOR_FIRST if anchor_first else bf.FILL_IN
+    out.facts.update(block_kind=kind, block_layout="gguf", block_slot=slot, block_layer_ids=ids,
+                     block_size=f.get("dflash.block_size"), mask_token_id=f.get("tokenizer.ggml.mask_token_id"))
+    if not ids:
+        out.add("block.layers", "error", "no dflash.target_layers: llama.cpp refuses the drafter (\"DFlash model "
+                "requires 'target_layers' in GGUF metadata\")", ev, "export with draftsmith export --format gguf")
+    elif t.num_layers is not None and any(not 0 <= int(i) < t.num_layers for i in ids):
+        out.add("block.layers", "error", f"target layers {list(ids)} (input of layer L) fall outside the target's "
+                f"{t.num_layers} layers: llama.cpp aborts (\"target layer ... input not extracted\")", ev)
+    width = f.get("dflash.embedding_length")
+    if width is not None and target_hidden is not None and int(width) != int(target_hidden):
+        out.add("block.width", "error", f"the drafter is {width} wide, the target {target_hidden}: llama.cpp sizes "
+                "fc's input from the drafter's width and cannot load it", ev)
+    problem = bf.mask_token_problem(f.get("tokenizer.ggml.mask_token_id"), t.vocab_size, None)
+    if problem:
+        out.add("block.mask", "error", problem + " (llama.cpp fills DFlash blocks with tokenizer.ggml.mask_token_id)",
+                ev, "export with draftsmith export --format gguf")
+    served = f"--spec-type draft-{kind}"
+    if kind == "dflash" and slot == bf.ANCHOR_FIRST:
+        out.add("block.slot", "error", "an anchor-first drafter without a Markov head: llama.cpp's DFlash type fills "
+                "in and would read every draft one position off (~1.1 tokens a round, no error)", ev)
+    else:
+        out.add("block.slot", "info", f"serve with {served}: it reads these blocks {slot.replace('_', '-')}, as "
+                "trained", ev)

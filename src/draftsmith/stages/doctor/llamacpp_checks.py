@@ -28,12 +28,30 @@ def diagnose_llamacpp(target: str | Path, drafter: str | Path | None = None) -> 
     out.add("llamacpp.chain", "info", "llama.cpp drafts a chain only (--draft-max k tokens per round, no trees): "
             "draftsmith's tree numbers do not carry over; bench --engine llamacpp measures the chain",
             "llama.cpp common/speculative.cpp: draft-eagle3 is a chain drafter")
-    if drafter is not None:
+    if drafter is not None and _is_block(drafter):  # DFlash / DSpark: the block checks, as llama.cpp reads them
+        from draftsmith.stages.doctor.block_checks import TargetShape, check_block_drafter, check_block_gguf
+
+        shape = TargetShape(tgt["num_layers"], tgt["vocab_size"], tgt["vocab_size"])
+        p = Path(drafter).expanduser()
+        if p.suffix == ".gguf":
+            check_block_gguf(out, shape, tgt["hidden_size"], p)
+        else:
+            check_block_drafter(out, "llamacpp", shape, p)
+    elif drafter is not None:
         d = _drafter_facts(drafter)
         out.facts.update(drafter_format=d["format"], aux_layer_ids=d["aux"], draft_vocab_size=d["draft_vocab"])
         _check_drafter(out, tgt, d)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _is_block(drafter: str | Path) -> bool:
+    from draftsmith.stages.doctor.block_checks import is_block_dir
+
+    p = Path(drafter).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return _gguf_fields(p, ("general.architecture",)).get("general.architecture") == "dflash"
+    return is_block_dir(p)
 
 
 def _engine_version() -> str | None:

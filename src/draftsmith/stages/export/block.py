@@ -232,6 +232,8 @@ def _qwen3_fields(s: BlockSpec) -> dict:
         "num_hidden_layers": s.num_hidden_layers, "num_attention_heads": s.num_attention_heads,
         "num_key_value_heads": s.num_key_value_heads, "head_dim": s.head_dim, "hidden_act": "silu",
         "rms_norm_eps": s.rms_norm_eps, "rope_theta": s.rope_theta,
+        # transformers 5 (vLLM 0.32's) reads rope_parameters; 4.x (SGLang's) the top-level rope_theta
+        "rope_parameters": {"rope_type": "default", "rope_theta": s.rope_theta},
         "max_position_embeddings": s.max_position_embeddings,
         "vocab_size": s.vocab_size, "tie_word_embeddings": False, "attention_bias": False,
         "layer_types": ["full_attention"] * s.num_hidden_layers,
