@@ -20,6 +20,19 @@ DRAFT_TYPES = {"eagle3": "COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3", "dflash": "COMM
 NGRAM_KEY = 3  # tokens of context an n-gram lookup matches on
 
 
+def drafter_mode(gguf: str | Path) -> str:
+    """The mode a drafter GGUF is served in: ``eagle3``, or for arch ``dflash`` ``dspark`` when it carries a Markov
+    head (``markov_w1``) and ``dflash`` otherwise."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch != "dflash":
+        return "eagle3"
+    return "dspark" if any(t.name == "markov_w1.weight" for t in reader.tensors) else "dflash"
+
+
 def available() -> bool:
     return importlib.util.find_spec("xllamacpp") is not None
 
