@@ -206,7 +206,8 @@ def engine_findings(engine: str, *, kind: str, slot: str, layout: str, raw: dict
             "dspark): \"This checkpoint was trained with the speculators ... DSpark convention ... which "
             "block-drafting in this file does not yet support\"; versions before that guard load it and read "
             "every slot as anchor-first",
-            "export with --format sglang (DeepSpec layout), which states the convention SGLang reads"))
+            "export with --format sglang (DeepSpec's layout)" if slot == ANCHOR_FIRST else
+            "this drafter fills in: serve it in vLLM (GPU) or llama.cpp, whose DSpark reads sample_from_anchor"))
     elif reads != slot:
         out.append(BlockFinding(
             "block.slot", "error", f"{e.name} reads this {kind} drafter's blocks {reads.replace('_', '-')} but it "

@@ -84,7 +84,9 @@ def check_block_drafter(out: Findings, engine: str, t: TargetShape, drafter: Pat
         methods = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
         num_speculative_tokens = methods[0].get("speculative_tokens")
     out.facts.update(block_kind=kind, block_layout=layout, block_slot=slot, block_size=block,
-                     block_layer_ids=ids, mask_token_id=mask, markov_head_type=head)
+                     block_layer_ids=ids, mask_token_id=mask, markov_head_type=head,
+                     drafter_format=f"{kind} {layout}", aux_layer_ids=ids,
+                     draft_vocab_size=raw.get("draft_vocab_size") or q.get("vocab_size"))
     ev = f"{drafter}/config.json"
     out.add("block.layout", "info", f"a {kind} drafter in {layout}'s layout, blocks {slot.replace('_', '-')}"
             + (f", {bf.drafts_per_block(int(block), slot)} drafts per block of {block}" if block else ""),
@@ -164,7 +166,8 @@ def check_block_gguf(out: Findings, t: TargetShape, target_hidden: int | None, p
     anchor_first = f.get("dflash.sample_from_anchor", True)
     slot = bf.ANCHOR_FIRST if anchor_first else bf.FILL_IN
     out.facts.update(block_kind=kind, block_layout="gguf", block_slot=slot, block_layer_ids=ids,
-                     block_size=f.get("dflash.block_size"), mask_token_id=f.get("tokenizer.ggml.mask_token_id"))
+                     block_size=f.get("dflash.block_size"), mask_token_id=f.get("tokenizer.ggml.mask_token_id"),
+                     drafter_format=f"{kind} gguf", aux_layer_ids=ids)
     if not ids:
         out.add("block.layers", "error", "no dflash.target_layers: llama.cpp refuses the drafter (\"DFlash model "
                 "requires 'target_layers' in GGUF metadata\")", ev, "export with draftsmith export --format gguf")

