@@ -78,8 +78,9 @@ class BlockDrafterConfig:
                        "(sample_from_anchor false; vLLM refuses it true)")
         if not 1 <= self.num_drafts <= MAX_BLOCK_SIZE or self.block_size > MAX_BLOCK_SIZE:
             out.append(f"block_size {self.block_size} leaves {self.num_drafts} drafts (1..{MAX_BLOCK_SIZE})")
-        if not self.target_layer_ids or len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            out.append(f"target_layer_ids {list(self.target_layer_ids)} must be distinct and not empty")
+        if not self.target_layer_ids or list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            out.append(f"target_layer_ids {list(self.target_layer_ids)} must be strictly increasing and not empty "
+                       "(engines concatenate the states in layer order)")
         if any(i < -1 for i in self.target_layer_ids):
             out.append(f"target_layer_ids {list(self.target_layer_ids)} go below -1 (the embedding output)")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
@@ -96,6 +97,14 @@ class BlockDrafterConfig:
     def num_drafts(self) -> int:
         """Draft tokens per block: every slot (anchor-first) or every slot after the anchor (fill-in)."""
         return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+    def shape_key(self) -> dict:
+        """The sizes a timing of this drafter depends on (keys of the measurement cache)."""
+        return {"kind": self.kind, "hidden": self.hidden_size, "inter": self.intermediate_size,
+                "layers": self.num_hidden_layers, "heads": self.num_attention_heads, "kv": self.num_key_value_heads,
+                "draft_vocab": self.draft_vocab_size, "aux": len(self.target_layer_ids),
+                "target_hidden": self.target_hidden_size, "markov": [self.markov_rank, self.markov_head_type],
+                "anchor_first": self.sample_from_anchor}
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -168,16 +177,19 @@ def default_target_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
 
 
 def default_mask_token_id(target) -> int:
-    """A token the target never emits in text: the tokenizer's pad (when it is not end-of-sequence), else the
-    config's pad, else the last vocabulary row. DFlash embeds it with the target's own table."""
-    tok = getattr(target, "tokenizer", None)
-    pad = getattr(tok, "pad_token_id", None) if tok is not None else None
-    if pad is not None and pad != getattr(tok, "eos_token_id", None):
-        return int(pad)
-    pad = getattr(target.config, "pad_token_id", None)
-    if isinstance(pad, int) and 0 <= pad < target.vocab_size:
-        return pad
-    return target.vocab_size - 1
+    """A row the target never emits: the first embedding row past the tokenizer's tokens where the table is
+    padded (Qwen3: 151669, DeepSpec's and z-lab's choice), else a pad or unknown token that is not an end token,
+    else the last row. DFlash and DSpark embed it with the target's own table."""
+    tok, cfg, vocab = getattr(target, "tokenizer", None), target.config, target.vocab_size
+    if tok is not None and len(tok) < vocab:
+        return len(tok)
+    ends = {getattr(tok, "eos_token_id", None)}
+    ends |= set(cfg.eos_token_id) if isinstance(cfg.eos_token_id, list) else {cfg.eos_token_id}
+    for cand in (getattr(tok, "pad_token_id", None), getattr(cfg, "pad_token_id", None),
+                 getattr(tok, "unk_token_id", None)):
+        if isinstance(cand, int) and 0 <= cand < vocab and cand not in ends:
+            return cand
+    return vocab - 1
 
 
 class BlockAttention(nn.Module):
@@ -524,7 +536,8 @@ def load_block_drafter(path: str | Path, target=None, *, device=None, dtype: tor
     try:
         cfg = BlockDrafterConfig.from_config_dict(raw)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise DrafterError(f"{cfg_file}: not a DFlash/DSpark drafter config ({one_line(e)[:300]})") from e
+        hint = "" if "draftsmith" in raw else "; an engine's layout (z-lab, DeepSpec, speculators): `draftsmith import`"
+        raise DrafterError(f"{cfg_file}: not a DFlash/DSpark drafter config ({one_line(e)[:300]}){hint}") from e
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE}")
@@ -555,4 +568,9 @@ def load_block_drafter(path: str | Path, target=None, *, device=None, dtype: tor
     if target is not None:
         attach(drafter, target)
         device, dtype = device or target.device, dtype or target.dtype
-    return drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+    drafter = drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+    if target is not None and getattr(target, "packed", False):  # as load_drafter: packed where the target is
+        from draftsmith.model.packing import pack_linears
+
+        pack_linears(drafter)
+    return drafter
