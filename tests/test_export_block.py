@@ -101,6 +101,12 @@ def test_layer_zero_cannot_be_said_in_output_numbering(tmp_path):
     assert bf.to_output_layer_ids([0, 4], allow_embedding=True) == [-1, 3]  # DeepSpec's -1
 
 
+def test_unordered_layers_are_refused(tmp_path):
+    ckpt = random_block_checkpoint(tiny_spec("dflash", aux_layer_ids=(4, 2, 6)))
+    with pytest.raises(ExportError, match="strictly increasing"):
+        export_block(ckpt, tmp_path / "o", "vllm")
+
+
 def test_shape_mismatch_is_one_clear_line(tmp_path):
     ckpt = random_block_checkpoint(tiny_spec("dspark"))
     ckpt.state["markov_head.markov_w2.weight"] = torch.zeros(3, 3)

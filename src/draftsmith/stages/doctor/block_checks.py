@@ -117,6 +117,11 @@ def _check_layers(out: Findings, t: TargetShape, ids: list[int] | None, evidence
                 ev, "state target_layer_ids (draftsmith export does)")
         return
     n = t.num_layers
+    if ids != sorted(set(ids)):
+        out.add("block.layers", "error" if engine == "vllm" else "warning",
+                f"target layers {ids} are not strictly increasing: vLLM concatenates the target's states in layer "
+                "order whatever the config lists, so fc reads its inputs permuted (DeepSpec requires increasing ids)",
+                f"{ev}: {evidence}", "retrain with increasing ids")
     if n is not None and any(not 0 <= i < n for i in ids):
         out.add("block.layers", "error", f"target layers {ids} (draftsmith numbering) fall outside the target's "
                 f"{n} layers: vLLM stops with \"DFlash drafter expects ... concatenated aux hidden features\", "

@@ -223,6 +223,10 @@ def check_layout(s: BlockSpec, fmt: str) -> None:
         raise ExportError(f"draft vocabulary {s.draft_vocab_size} exceeds the target's {s.vocab_size}")
     if fmt != "speculators":
         bf.to_output_layer_ids(s.aux_layer_ids)  # refuses layer 0, which output-of-layer numbering cannot say
+    ids = list(s.aux_layer_ids)
+    if ids != sorted(set(ids)):
+        raise ExportError(f"target layers {ids} are not strictly increasing: vLLM concatenates the target's states "
+                          "in layer order whatever the config lists, so fc would read its inputs permuted")
 
 
 def _qwen3_fields(s: BlockSpec) -> dict:
