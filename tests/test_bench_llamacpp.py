@@ -46,3 +46,31 @@ def test_bench_llamacpp_refuses_sampling():
     run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "bench", "--engine", "llamacpp", "--drafter", "d",
                           "--temperature", "1"], capture_output=True, text=True)
     assert run.returncode == 2 and "greedy" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_block_drafter_rows_and_profile_carry_its_kind(tmp_path):
+    """A dflash-arch GGUF is benched as its kind (dspark when it has a Markov head): rows, profile and the line."""
+    pytest.importorskip("gguf")
+    from test_doctor_block import _tiny_target_gguf
+
+    from draftsmith.app.bench_llamacpp import engine_methods
+    from draftsmith.integrations.llamacpp import drafter_mode
+    from draftsmith.stages.export.block_gguf import export_block_gguf
+    from draftsmith.testing.blocks import random_block_checkpoint, tiny_spec
+
+    tg = _tiny_target_gguf(tmp_path / "t.gguf")
+    for kind in ("dflash", "dspark"):
+        spec = tiny_spec(kind, hidden_size=128, target_hidden_size=128, head_dim=32)
+        gguf = export_block_gguf(random_block_checkpoint(spec), tmp_path / f"{kind}.gguf", target=tg).path
+        assert drafter_mode(gguf) == kind
+        assert [m for _, m, _ in engine_methods([2], [2], kind)] == ["plain", kind, "ngram"]
+    plain, spark = EngineStats(), EngineStats()
+    plain.add(EngineRun("", 11, 100.0, 1.0))
+    spark.add(EngineRun("", 11, 60.0, 1.0, draft_n=12, draft_n_accepted=6))
+    rows = {"plain": plain.to_dict(), "dspark k=3": spark.to_dict()}
+    for row in rows.values():
+        row["speedup"] = 1.0
+    report = {"target": "t.gguf", "threads": 1, "max_new_tokens": 10, "kind": "dspark",
+              "results": [{"dataset": "d", "prompts": 1, "methods": rows,
+                           "profile": round_profile(rows, [3], "dspark")}]}
+    assert "so DSpark pays above tau 1.5 (measured 2.5)" in format_llamacpp_table(report)

@@ -50,8 +50,9 @@ class EngineStats:
                 "same_as_plain": f"{self.identical}/{self.compared}" if self.compared else "-"}
 
 
-def engine_methods(ks: Sequence[int], ngram_ks: Sequence[int]) -> list[tuple[str, str, int]]:
-    return ([("plain", "plain", 0)] + [(f"eagle3 k={k}", "eagle3", k) for k in ks]
+def engine_methods(ks: Sequence[int], ngram_ks: Sequence[int], mode: str = "eagle3") -> list[tuple[str, str, int]]:
+    """``mode``: the drafter's (eagle3, dflash, dspark); a block drafter's k is its drafts per block."""
+    return ([("plain", "plain", 0)] + [(f"{mode} k={k}", mode, k) for k in ks]
             + [(f"ngram k={k}", "ngram", k) for k in ngram_ks])
 
 
@@ -60,19 +61,22 @@ def run_llamacpp_bench(target_gguf: str | Path, drafter_gguf: str | Path, tokeni
                        threads: int = 1, progress: bool = True, verbose: bool = False) -> dict:
     """Decode every prompt with every method (interleaved); return a JSON-able report. ``verbose``: llama.cpp's
     own log on stderr (model loading, every request: dozens of lines a run)."""
+    from draftsmith.integrations.llamacpp import DRAFT_TYPES, drafter_mode
+
     if not ks:
         raise UsageError("bench --engine llamacpp needs at least one --chain k")
-    methods = engine_methods(ks, ngram_ks)
+    kind = drafter_mode(drafter_gguf)
+    methods = engine_methods(ks, ngram_ks, kind)
     try:
-        engines = {name: LlamaCppEngine(target_gguf, mode, drafter=drafter_gguf if mode == "eagle3" else None,
+        engines = {name: LlamaCppEngine(target_gguf, mode, drafter=drafter_gguf if mode in DRAFT_TYPES else None,
                                         k=max(k, 1), threads=threads, verbose=verbose) for name, mode, k in methods}
     except RuntimeError as e:  # what the checks before did not foresee: llama.cpp's own refusal, on one line
         raise UsageError(f"llama.cpp could not load {target_gguf} with {drafter_gguf} ({e}); run with --verbose to "
                          "see its log") from e
     for e in engines.values():  # warm-up: first-call costs land on no method
         e.complete(tokenizer("Hi")["input_ids"], 4)
-    report = {"engine": "llamacpp", "target": str(target_gguf), "drafter": str(drafter_gguf), "threads": threads,
-              "max_new_tokens": max_new_tokens, "results": []}
+    report = {"engine": "llamacpp", "target": str(target_gguf), "drafter": str(drafter_gguf), "kind": kind,
+              "threads": threads, "max_new_tokens": max_new_tokens, "results": []}
     for dataset, prompts in prompt_sets.items():
         stats = {name: EngineStats() for name, _, _ in methods}
         for i, prompt in enumerate(prompts):
@@ -98,16 +102,17 @@ def run_llamacpp_bench(target_gguf: str | Path, drafter_gguf: str | Path, tokeni
         for row in rows.values():
             row["speedup"] = round(row["tokens_per_second"] / plain, 3) if plain else 0.0
         report["results"].append({"dataset": dataset, "prompts": len(prompts), "methods": rows,
-                                  "profile": round_profile(rows, ks)})
+                                  "profile": round_profile(rows, ks, kind)})
     return report
 
 
-def round_profile(rows: dict, ks: Sequence[int]) -> dict:
-    """Where an EAGLE-3 round's time goes, per k: target step (plain), verify pass, drafter (estimate)."""
+def round_profile(rows: dict, ks: Sequence[int], mode: str = "eagle3") -> dict:
+    """Where a drafter round's time goes, per k: target step (plain), verify pass, drafter (estimate). The round's
+    time is under ``eagle3_ms_per_round`` whatever the drafter's kind (the key readers of older reports know)."""
     plain_ms = rows["plain"]["ms_per_pass"]
     out = {"plain_ms_per_token": plain_ms}
     for k in ks:
-        e, g = rows.get(f"eagle3 k={k}"), rows.get(f"ngram k={k}")
+        e, g = rows.get(f"{mode} k={k}"), rows.get(f"ngram k={k}")
         if e is None:
             continue
         verify = g["ms_per_pass"] if g else None
@@ -116,6 +121,9 @@ def round_profile(rows: dict, ks: Sequence[int]) -> dict:
                          "break_even_tau": round(e["ms_per_pass"] / plain_ms, 2) if plain_ms else None,
                          "tau": e["acceptance_length"]}
     return out
+
+
+_DISPLAY = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}
 
 
 def format_llamacpp_table(report: dict) -> str:
@@ -129,14 +137,14 @@ def format_llamacpp_table(report: dict) -> str:
             lines.append(f"  {name:<12} {m['tokens_per_second']:7.1f} {m['request_tok_s_min']:6.1f} "
                          f"{m['request_tok_s_median']:7.1f} {m['speedup']:6.2f}x {m['acceptance_length']:5.2f} "
                          f"{m['ms_per_pass']:7.1f} {m['same_as_plain']:>6}")
-        p = res["profile"]
+        p, who = res["profile"], _DISPLAY[report.get("kind", "eagle3")]
         for key, v in p.items():
             if key.startswith("k="):  # the split needs the n-gram row at the same k (its verify passes)
                 split = "" if v["verify_ms_per_pass"] is None else (
                     f" = verify {v['verify_ms_per_pass']} ms + drafter ~{v['drafter_ms_per_round']} ms")
                 lines.append(f"  profile {key}: round {v['eagle3_ms_per_round']} ms{split}; one plain "
-                             f"step {p['plain_ms_per_token']} ms, so EAGLE-3 pays above tau {v['break_even_tau']} "
-                             f"(measured {v['tau']})")
+                             f"step {p['plain_ms_per_token']} ms, so {who} pays above tau "
+                             f"{v['break_even_tau']} (measured {v['tau']})")
     return "\n".join(lines)
 
 
@@ -234,10 +242,18 @@ def bench_llamacpp_command(args) -> int:
     leaked = warn_leaks(prompt_sets, args.train_conversations)
     with process_temp_dir("draftsmith-gguf-") as tmp:  # a killed bench's directory goes at the next start
         drafter = Path(args.drafter)
-        if drafter.suffix != ".gguf":
-            from draftsmith.stages.export.gguf import export_gguf
+        if drafter.suffix != ".gguf":  # a drafter directory of any kind: its kind's GGUF writer
+            from draftsmith.stages.export.block_readers import is_block_drafter
 
-            drafter = export_gguf(drafter, Path(tmp) / "drafter.gguf", target=target_gguf, dtype="fp32").path
+            if is_block_drafter(drafter):
+                from draftsmith.stages.export.block_kind import export_block_any
+
+                drafter = export_block_any(drafter, Path(tmp) / "drafter.gguf", "gguf", dtype="fp32",
+                                           target=target_gguf).path
+            else:
+                from draftsmith.stages.export.gguf import export_gguf
+
+                drafter = export_gguf(drafter, Path(tmp) / "drafter.gguf", target=target_gguf, dtype="fp32").path
         report = run_llamacpp_bench(target_gguf, drafter, tokenizer, prompt_sets, ks, ngram_ks,
                                     args.max_new_tokens, args.threads, args.progress, verbose=args.verbose)
     report.update({"leaked_prompts": leaked} if leaked else {})  # as bench's own report says it

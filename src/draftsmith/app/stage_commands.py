@@ -284,7 +284,9 @@ def add_export_parsers(sub) -> None:
     p.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators", "gguf"],
                    help="sglang: EAGLE-3 HF layout (midlayer.*, eagle_config ids one lower; vLLM reads it too); "
                         "vllm: --speculative-config model dir; speculators: `vllm serve DIR` works; "
-                        "gguf: one EAGLE-3 .gguf for llama.cpp (--model-draft; needs --target, the target's .gguf)")
+                        "gguf: one EAGLE-3 .gguf for llama.cpp (--model-draft; needs --target, the target's .gguf); "
+                        "a DFlash/DSpark drafter gets the same formats in its kind's layout (sglang: DeepSpec's; "
+                        "gguf: arch dflash)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory (new or empty); gguf: a .gguf file, or a directory for drafter.gguf")
     p.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32", "q8_0"], default="bfloat16",
@@ -313,6 +315,8 @@ def add_export_parsers(sub) -> None:
                    help="source layout (default auto: detected from config and weight names)")
     p.add_argument("--aux-layers", default=None,
                    help="comma-separated aux layer ids (input of layer L) when the checkpoint has none or is wrong")
+    p.add_argument("--target", default=None, metavar="DIR",
+                   help="DFlash/DSpark: the target, whose lm_head a release without one (z-lab) borrows")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
     add_json_arg(p)
 
@@ -328,6 +332,8 @@ def export(args) -> int:
 
     if args.num_speculative_tokens < 1:
         raise UsageError("--num-speculative-tokens must be >= 1")
+    if _is_block_dir(args.drafter):  # DFlash / DSpark: the block kinds' writers
+        return _export_block(args)
     if args.format == "gguf":
         return _export_gguf(args)
     if args.export_dtype == "q8_0":
@@ -343,6 +349,32 @@ def export(args) -> int:
             num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
     for w in caught:
         print(f"draftsmith: warning: {w.message}", file=sys.stderr)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
+
+
+def _is_block_dir(path) -> bool:
+    from draftsmith.stages.export.block_readers import is_block_drafter
+
+    return is_block_drafter(path)
+
+
+def _export_block(args) -> int:
+    """A DFlash/DSpark drafter: its drafts per round are its block's, so --num-speculative-tokens is not asked."""
+    import warnings
+
+    from draftsmith.stages.export.block_kind import export_block_any
+
+    if args.include_embeddings:
+        raise UsageError("block drafters share the target's embedding in every engine; drop --include-embeddings")
+    if args.export_dtype == "q8_0" and args.format != "gguf":
+        raise UsageError(f"--export-dtype q8_0 is for --format gguf; {args.format} takes bfloat16, float16 or float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = export_block_any(args.drafter, args.out, args.format, dtype=EXPORT_DTYPES[args.export_dtype],
+                                  target=args.target, verifier=args.verifier or args.target, overwrite=args.force)
+    for w in [*caught, *getattr(report, "warnings", [])]:
+        print(f"draftsmith: warning: {getattr(w, 'message', w)}", file=sys.stderr)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0
 
@@ -366,6 +398,16 @@ def import_(args) -> int:
 
     from draftsmith.stages.export import import_drafter
 
+    if _is_block_dir(args.source):  # DFlash / DSpark: z-lab, DeepSpec, speculators or draftsmith's exports
+        from draftsmith.stages.export.block_kind import import_block
+
+        ckpt = import_block(args.source, args.out, target=getattr(args, "target", None))
+        s = ckpt.spec
+        print(json.dumps({"source_format": ckpt.source_format, "kind": s.kind, "aux_layer_ids": list(s.aux_layer_ids),
+                          "slot": s.slot, "out": str(args.out)}) if args.json else
+              f"imported {ckpt.source_format} {s.kind} drafter into {args.out}: target layers {list(s.aux_layer_ids)} "
+              f"(input of layer L), blocks {s.slot.replace('_', '-')}")
+        return 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = import_drafter(args.source, args.out, args.format, aux_layers=parse_ints(args.aux_layers),

