@@ -131,7 +131,9 @@ def test_block_size_against_speculative_tokens(tmp_path, target):
 
 # --- llama.cpp: a dflash GGUF or a block directory against the target it serves ---------------------------------
 def _tiny_target_gguf(path: Path, layers: int = 8, width: int = 128, vocab: int = 256) -> Path:
-    """A keys-only llama GGUF (no tensors): what the export and doctor read of a target."""
+    """A llama GGUF with its keys and a small token embedding: what the export and doctor read of a target (a
+    target with no tensors at all is a finding of its own)."""
+    import numpy as np
     from gguf import GGUFWriter
 
     w = GGUFWriter(path, "llama")
@@ -139,6 +141,7 @@ def _tiny_target_gguf(path: Path, layers: int = 8, width: int = 128, vocab: int 
     w.add_embedding_length(width)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
