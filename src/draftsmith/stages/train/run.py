@@ -24,6 +24,7 @@ from draftsmith.model.drafter import Eagle3Drafter, init_head_from_target, load_
 from draftsmith.stages.train.checkpoints import load_checkpoint, newest_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import NORM_FIELDS, TrainConfig, TrainError, config_hash
 from draftsmith.stages.train.data import OnlineSource, StoreSource, first_samples, make_batches, split_eval
+from draftsmith.stages.train.kinds import objective_for
 from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
 from draftsmith.stages.train.loop import (
     Run,
@@ -128,6 +129,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
 
     source, heads, aux_layers, dv = _setup_source(cfg, device, dtype, compute_dtype)
     drafter = _setup_drafter(cfg, heads, dv, aux_layers, device, compute_dtype)
+    objective = objective_for(cfg, drafter)
     train_idx, eval_idx = split_eval(source.ids, cfg.eval_fraction)
     train_idx = first_samples(source.ids, train_idx, cfg.train_samples)
     step_ceiling = _total_steps(cfg, train_idx, source.lengths, world)
@@ -135,7 +137,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     state = _setup_state(cfg, out, drafter, opt, sched)
     total_steps = int(state.get("planned_steps", step_ceiling))  # a time budget's plan (its schedule is restored)
     started -= state.get("elapsed_s", 0.0)  # a resumed run's budget counts the time its checkpoint already spent
-    autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world)
+    autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world,
+                               objective)
     teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype, cfg.teacher_temperature)
     log = MetricsLog(out, rank)
     if rank == 0:
@@ -147,7 +150,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
 
     bar = progress_bar(cfg, rank, total_steps, state["step"])
     last_eval = train_loop(Run(cfg, out, device, autocast, rank, world, source, train_idx, eval_idx, total_steps,
-                               step_ceiling, drafter, teacher, params, opt, sched, state, log, bar, started))
+                               step_ceiling, drafter, teacher, objective, params, opt, sched, state, log, bar,
+                               started))
     if bar is not None:
         bar.close()
     if rank == 0:
@@ -239,6 +243,8 @@ def _vocab_from_items(source: OnlineSource, vocab_size: int, draft_vocab_size: i
 
 def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
     """``cfg.init_drafter`` bound to the target's embedding, or a fresh drafter sized from the target's config."""
+    if cfg.kind != "eagle3":
+        raise TrainError(f"--kind {cfg.kind}: the block drafter model is not in this build yet")
     if cfg.init_drafter:
         drafter = load_drafter(cfg.init_drafter, device=device, dtype=dtype)
         drafter.bind_embeddings(heads.embed_tokens)
@@ -305,7 +311,7 @@ class WarmupCosine:
 
 
 def _setup_autocast(cfg: TrainConfig, device: torch.device, drafter, heads, source, train_idx: list[int],
-                    state: dict, compute_dtype: torch.dtype, rank: int, world: int) -> bool:
+                    state: dict, compute_dtype: torch.dtype, rank: int, world: int, objective) -> bool:
     """bf16 autocast or not: the checkpoint's choice on resume, else fixed or measured (``precision``).
 
     Under torchrun every rank takes rank 0's answer, so all ranks compute alike.
@@ -317,14 +323,13 @@ def _setup_autocast(cfg: TrainConfig, device: torch.device, drafter, heads, sour
         first = make_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed)[0]
         batch = source.load(first).to(device)
         return measure_autocast(drafter, batch, lambda bf16: _setup_teacher(drafter, heads, device, bf16,
-                                                                             compute_dtype),
-                                cfg.ttt_steps, cfg.step_decay)
+                                                                             compute_dtype), objective)
 
     def log(line: str) -> None:
         if rank == 0:
             print(f"train: {line}", file=sys.stderr, flush=True)
 
-    on = choose_autocast(cfg.autocast, device, drafter, cfg.batch_tokens, cfg.ttt_steps, probe, log)
+    on = choose_autocast(cfg.autocast, device, drafter, cfg.batch_tokens, objective.positions, probe, log)
     if world > 1:
         flag = torch.tensor([int(on)], device=device if device.type == "cuda" else "cpu")
         dist.broadcast(flag, src=0)
