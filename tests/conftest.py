@@ -23,6 +23,13 @@ def tiny_target(arch: str, dtype: torch.dtype = torch.float64, num_hidden_layers
     return Target(build_tiny_model(arch, seed=seed, dtype=dtype, num_hidden_layers=num_hidden_layers))
 
 
+@functools.cache
+def block_target(arch: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Target:
+    """``tiny_target``'s model in a Target of its own: block drafters point a target's aux layers at theirs, which
+    must not leak into the EAGLE-3 tests that share ``tiny_target`` in the same worker."""
+    return Target(build_tiny_model(arch, seed=seed, dtype=dtype, num_hidden_layers=8))
+
+
 def random_prompts(n: int, seed: int, vocab: int = 256, max_len: int = 24) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max_len + 1, (n,), generator=g)

@@ -48,6 +48,21 @@ def from_sglang_layer_ids(ids: Iterable[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
+def block_to_aux_layer_ids(ids: Iterable[int]) -> tuple[int, ...]:
+    """Block-drafter ``target_layer_ids`` (DFlash/DeepSpec/SGLang: the *output* of layer i, ``-1`` = the embedding
+    output) -> draftsmith/vLLM aux ids (the *input* of layer i+1, HF ``hidden_states[i+1]``), what the Target
+    captures. vLLM's ``get_eagle3_aux_layers_from_config`` adds the same one."""
+    ids = [int(i) for i in ids]
+    if any(i < -1 for i in ids):
+        raise ConventionError(f"block target_layer_ids {ids} go below -1 (-1 is the embedding output)")
+    return tuple(i + 1 for i in ids)
+
+
+def aux_to_block_layer_ids(ids: Iterable[int]) -> tuple[int, ...]:
+    """draftsmith/vLLM aux ids -> block-drafter ``target_layer_ids`` (one lower; aux 0 is -1, the embedding)."""
+    return tuple(int(i) - 1 for i in ids)
+
+
 def to_llamacpp_layer_ids(ids: Iterable[int], num_layers: int | None = None) -> list[int]:
     """draftsmith/vLLM ids -> llama.cpp's ``eagle3.target_layers``: the same numbers (an id names the *input* of
     that target layer there too, HF ``hidden_states[id]``), but exactly three of them, each a real layer."""

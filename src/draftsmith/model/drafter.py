@@ -289,6 +289,8 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    kind = "eagle3"  # model/kinds.py
+
     def __init__(self, cfg: DrafterConfig, embed_tokens: nn.Module | None = None,
                  draft_vocab: vocab_mod.DraftVocab | None = None, own_embedding: bool = False):
         super().__init__()
