@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -79,3 +81,117 @@ def test_labels_are_the_slots_tokens_and_scoring_stops_at_the_first_unscored_lab
         assert labels.tolist() == [[3, 4, 5], [6, 7, 8]]
         assert scored.tolist() == [[True] * 3, [True, False, False]]
     assert spec.drafted == (4 if next_token else 3)
+
+
+# --- the objective on a real block drafter ------------------------------------------------------------------
+VARIANTS = {  # both slot conventions and every Markov head type
+    "dflash": ("dflash", {}),
+    "dspark": ("dspark", {"markov_rank": 16}),
+    "dspark-fill-in-gated": ("dspark", {"markov_rank": 8, "sample_from_anchor": False, "block_size": 5,
+                                        "markov_head_type": "gated", "confidence_head_with_markov": False}),
+    "dspark-rnn": ("dspark", {"markov_rank": 8, "markov_head_type": "rnn", "block_size": 4}),
+}
+
+
+def _case(name: str, draft_vocab_size: int = 200):
+    """A block drafter on a tiny target, a 2-row batch (one row padded, prompts and answers mixed), its teacher."""
+    from conftest import block_target
+
+    from draftsmith.model.block_drafter import new_block_drafter
+    from draftsmith.model.ttt import TTTBatch, teacher_targets
+
+    target = block_target("llama")
+    kind, overrides = VARIANTS[name]
+    d = new_block_drafter(target, kind, draft_vocab_size=draft_vocab_size, **overrides)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 256, (2, 24), generator=g)
+    out = target(ids)
+    answer = torch.zeros(2, 24, dtype=torch.bool)
+    answer[0, 5:] = True
+    answer[0, 14:16] = False  # a second prompt inside the first row
+    answer[1, 3:] = True
+    batch = TTTBatch(ids, answer, torch.cat(out.aux_hidden_states, -1), out.hidden_state, torch.tensor([24, 17]))
+    kept = d.to_target_ids(torch.arange(d.config.draft_vocab_size))
+    teacher = teacher_targets(batch, target.lm_head.weight, kept, d.t2d)
+    return d, batch, teacher
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_block_hidden_equals_the_models_training_pass(name):
+    """The block-sparse pass equals the model's own dense-masked forward_train (which equals its decoding path),
+    blocks from both rows, a short row's padding never seen."""
+    from draftsmith.stages.train.block import block_hidden
+
+    d, batch, _ = _case(name)
+    rows, anchors = torch.tensor([0, 0, 1, 1]), torch.tensor([1, 9, 4, 11])
+    with torch.no_grad():
+        fast = block_hidden(d, batch, rows, anchors)
+        for r in (0, 1):
+            ref = d.forward_train(batch.aux_hidden_states[r:r + 1], batch.input_ids[r:r + 1],
+                                  anchors[rows == r][None]).hidden[0]
+            torch.testing.assert_close(fast[rows == r], ref, rtol=0, atol=1e-9)
+
+
+def _reference_loss(d, batch, teacher, spec, rows, anchors):
+    """The block loss written out block by block and slot by slot (DeepSpec's definition, notes/block-training.md)."""
+    probs, choice, in_draft = teacher
+    k = d.config.num_drafts
+    ce_n = ce_d = l1_n = l1_d = bce_n = bce_d = 0.0
+    correct, total = [0.0] * k, [0.0] * k
+    for r, a in zip(rows.tolist(), anchors.tolist(), strict=True):
+        out = d.forward_train(batch.aux_hidden_states[r:r + 1], batch.input_ids[r:r + 1], torch.tensor([[a]]))
+        n = int(batch.lengths[r])
+        prev, state, accepted = batch.input_ids[r, a], None, True
+        for j in range(k):
+            p = a + 1 + j  # draft j's label
+            if p >= n or not all(bool(batch.loss_mask[r, i]) for i in range(a + 1, p + 1)):
+                break  # this slot and every later one are not scored
+            w = math.exp(-j / spec.gamma)
+            logits = out.logits[0, 0, j].double()
+            q = logits.softmax(-1)
+            l1 = (q - probs[r, p - 1].double()).abs().sum()
+            l1_n, l1_d = l1_n + w * l1, l1_d + w
+            if bool(in_draft[r, p - 1]):
+                ce_n, ce_d = ce_n - w * logits.log_softmax(-1)[choice[r, p - 1]], ce_d + w
+            if out.confidence is not None:
+                c = out.confidence[0, 0, j].double()
+                bce = torch.nn.functional.binary_cross_entropy_with_logits(c, (1 - l1 / 2).detach())
+                bce_n, bce_d = bce_n + w * bce, bce_d + w
+            # Acceptance at T=0: the greedy draft, its Markov bias fed the previous draft.
+            base = d.logits(out.hidden[0, 0, j]).double()
+            if d.markov_head is not None:
+                bias, state = d.markov_bias(prev[None], out.hidden[0, 0, j][None], state)
+                base = base + bias[0].double()
+            draft = int(base.argmax())
+            prev = d.to_target_ids(torch.tensor(draft))
+            if accepted:
+                total[j] += 1
+                accepted = bool(in_draft[r, p - 1]) and draft == int(choice[r, p - 1])
+                correct[j] += accepted
+    loss = spec.ce_weight * ce_n / max(ce_d, 1e-6) + spec.l1_weight * l1_n / max(l1_d, 1e-6)
+    if d.confidence_head is not None and spec.confidence_weight:
+        loss = loss + spec.confidence_weight * bce_n / max(bce_d, 1e-6)
+    return loss, correct, total
+
+
+@pytest.mark.parametrize("name", ["dspark", "dspark-fill-in-gated", "dflash"])
+def test_block_objective_equals_a_hand_written_reference(name):
+    """Loss (CE to the target's choice + L1 of probabilities + confidence BCE to 1 - TV, each decay-weighted over the
+    scored prefix), its gradients, and the per-slot greedy acceptance counts, on anchors drawn by the objective."""
+    from draftsmith.stages.train.block import BlockSpec, block_objective, sample_anchors
+
+    d, batch, teacher = _case(name)
+    d = d.train()
+    spec = BlockSpec(block_size=d.config.block_size, next_token=d.config.sample_from_anchor, num_anchors=6,
+                     gamma=2.0, ce_weight=0.3, l1_weight=0.7, confidence_weight=0.5)
+    answer = batch.loss_mask & (torch.arange(24)[None] < batch.lengths[:, None])
+    rows, anchors = sample_anchors(answer, batch.lengths, 6, torch.Generator().manual_seed(7))
+    assert rows.tolist() == [0] * 6 + [1] * 6
+    params = [p for p in d.parameters() if p.requires_grad]
+    loss, stats = block_objective(d, batch, teacher, spec, torch.Generator().manual_seed(7))
+    ref, correct, total = _reference_loss(d, batch, teacher, spec, rows, anchors)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-8)
+    for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params), strict=True):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-8)
+    assert stats.correct == correct and stats.total == total
+    assert total[0] == 12 and 0 < sum(total) < 12 * d.config.num_drafts  # some blocks run past a prompt or the end

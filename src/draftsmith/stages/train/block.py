@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftsmith.model.drafter import rotate_half
 from draftsmith.model.ttt import TTTBatch, TTTStats, ttt_attention
 
 
@@ -118,27 +119,37 @@ def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k
     return out[at].transpose(1, 2)
 
 
+def _queries(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The block's rotated queries ``[M, H, S, D]``, as the drafter's attention computes them."""
+    m, s, _ = x.shape
+    q = attn.q_norm(attn.q_proj(x).view(m, s, attn.n_heads, attn.head_dim)).transpose(1, 2)
+    return q * cos + rotate_half(q) * sin
+
+
 def block_hidden(drafter, batch: TTTBatch, rows: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """The drafter's final (normed) states ``[M, B, h]`` of every block, all layers, in one pass."""
-    bs = drafter.config.block_size
-    ctx = drafter.fuse(batch.aux_hidden_states)  # [b, T, h]
-    t = ctx.shape[1]
-    slots = torch.arange(bs, device=anchors.device)
-    ids = torch.full((anchors.numel(), bs), int(drafter.config.mask_token_id), dtype=torch.long,
-                     device=anchors.device)
+    """The drafter's final (normed) states ``[M, K, h]`` of every block's drafts, all layers, in one pass.
+
+    Draft ``j`` of a block predicts position ``anchor + 1 + j`` in both slot conventions (the fill-in
+    convention's anchor slot, which predicts nothing, is dropped), as ``BlockDrafter.forward_train`` returns it.
+    """
+    cfg = drafter.config
+    s, first = cfg.block_size, 0 if cfg.sample_from_anchor else 1
+    ctx = drafter.context(batch.aux_hidden_states)  # [b, T, h]
+    b, t = ctx.shape[:2]
+    ids = torch.full((anchors.numel(), s), int(cfg.mask_token_id), dtype=torch.long, device=anchors.device)
     ids[:, 0] = batch.input_ids[rows, anchors]
     x = drafter.embed(ids)
-    cos, sin = drafter.rope(anchors[:, None] + slots[None])  # [M, B, D]
-    ctx_cos, ctx_sin = drafter.rope(torch.arange(t, device=ctx.device)[None].expand(ctx.shape[0], t))
+    cos, sin = drafter.rope(anchors[:, None] + torch.arange(s, device=anchors.device)[None])
+    ctx_cos, ctx_sin = drafter.rope(torch.arange(t, device=ctx.device)[None].expand(b, t))
     for layer in drafter.layers:
         attn = layer.self_attn
-        residual = x
-        q, k_blk, v_blk = attn.qkv(layer.input_layernorm(x), cos, sin)
-        k_ctx, v_ctx = attn.context_kv(ctx, ctx_cos, ctx_sin)
-        out = block_attention(q, k_blk, v_blk, k_ctx, v_ctx, rows, anchors)
-        x = residual + attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        h = layer.input_layernorm(x)
+        k_blk, v_blk = attn.kv(h, cos, sin)
+        k_ctx, v_ctx = attn.kv(ctx, ctx_cos, ctx_sin)
+        out = block_attention(_queries(attn, h, cos, sin), k_blk, v_blk, k_ctx, v_ctx, rows, anchors)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x)
+    return drafter.norm(x)[:, first:first + cfg.num_drafts]
 
 
 # --- the loss -------------------------------------------------------------------------------------------------
@@ -166,11 +177,12 @@ def block_objective(drafter, batch: TTTBatch, teacher, spec: BlockSpec,
         zero = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
         return zero, stats
     labels, scored = block_labels(spec, answer, batch.lengths, rows, anchors)
-    hidden = block_hidden(drafter, batch, rows, anchors)[:, spec.first_slot:]  # [M, D, h]
+    hidden = block_hidden(drafter, batch, rows, anchors)  # [M, K, h]
     before = labels - 1  # the teacher of label p is the target at p - 1
     prev = batch.input_ids[rows[:, None], before]  # the token before each label (teacher-forced Markov input)
     base = drafter.logits(hidden).float()
-    logits = base + drafter.markov_bias(prev, hidden).float() if _has_markov(drafter) else base
+    markov = getattr(drafter, "markov_head", None)
+    logits = base + markov.block(prev, hidden).float() if markov is not None else base
     t_probs, t_choice = probs[rows[:, None], before], choice[rows[:, None], before]
     t_in = in_draft[rows[:, None], before]
     decay = torch.exp(-torch.arange(spec.drafted, device=logits.device, dtype=torch.float32) / spec.gamma)
@@ -183,13 +195,13 @@ def block_objective(drafter, batch: TTTBatch, teacher, spec: BlockSpec,
     l1 = (logp.exp() - t_probs.float()).abs().sum(-1)
     if spec.l1_weight:
         total = total + spec.l1_weight * _weighted_mean(l1, w)
-    if spec.confidence_weight and getattr(drafter, "confidence_head", None) is not None:
-        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
-        conf = drafter.confidence(hidden, prev).float()
-        bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
+    conf = drafter.confidence_logits(hidden, prev) if spec.confidence_weight else None
+    if conf is not None:
+        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()  # sum_v min(p_v, q_v): the slot's acceptance
+        bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
         total = total + spec.confidence_weight * _weighted_mean(bce, w)
     with torch.no_grad():
-        drafts = greedy_drafts(drafter, base, hidden, prev[:, 0]) if _has_markov(drafter) else base.argmax(-1)
+        drafts = greedy_drafts(drafter, base, hidden, prev[:, 0]) if markov is not None else base.argmax(-1)
         hit = (drafts == t_choice) & t_in & scored
         through = hit.int().cumprod(dim=1).bool()  # the first k+1 drafts all accepted
         reached = torch.cat([torch.ones_like(through[:, :1]), through[:, :-1]], dim=1) & scored
@@ -199,17 +211,13 @@ def block_objective(drafter, batch: TTTBatch, teacher, spec: BlockSpec,
     return total, stats
 
 
-def _has_markov(drafter) -> bool:
-    return getattr(drafter, "markov_head", None) is not None
-
-
 @torch.no_grad()
 def greedy_drafts(drafter, base: torch.Tensor, hidden: torch.Tensor, first_prev: torch.Tensor) -> torch.Tensor:
     """Greedy drafts ``[M, D]`` (draft ids) with the Markov bias fed each previous draft, left to right."""
-    prev, out = first_prev, []
+    prev, state, out = first_prev, None, []
     for k in range(base.shape[1]):
-        step = base[:, k] + drafter.markov_bias(prev[:, None], hidden[:, k:k + 1]).float()[:, 0]
-        pick = step.argmax(-1)
+        bias, state = drafter.markov_bias(prev, hidden[:, k], state)
+        pick = (base[:, k] + bias.float()).argmax(-1)
         out.append(pick)
         prev = drafter.to_target_ids(pick)
     return torch.stack(out, dim=1)

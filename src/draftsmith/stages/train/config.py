@@ -36,12 +36,13 @@ _ACCUM_WHY = "an optimizer step over more micro-batches is a larger --batch-toke
 _COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KINDS = ("eagle3", "dflash", "dspark")
 BLOCK_KINDS = ("dflash", "dspark")
-# The block kinds' defaults (DeepSpec's recipe, with 2 draft layers to fit a CPU's budget).
+# The block kinds' loss defaults: DeepSpec's recipe (its DFlash baseline: CE only).
+# The model's own fields (block size, layers, Markov head) default in model/block_drafter.py.
 BLOCK_DEFAULTS = {
-    "dflash": {"block_size": 7, "draft_layers": 2, "num_anchors": 512, "loss_decay_gamma": 4.0, "ce_weight": 1.0,
-               "l1_weight": 0.0, "confidence_weight": 0.0, "markov_rank": 0, "markov_head_type": "vanilla"},
-    "dspark": {"block_size": 7, "draft_layers": 2, "num_anchors": 512, "loss_decay_gamma": 4.0, "ce_weight": 0.1,
-               "l1_weight": 0.9, "confidence_weight": 1.0, "markov_rank": 256, "markov_head_type": "vanilla"},
+    "dflash": {"num_anchors": 512, "loss_decay_gamma": 4.0, "ce_weight": 1.0, "l1_weight": 0.0,
+               "confidence_weight": 0.0},
+    "dspark": {"num_anchors": 512, "loss_decay_gamma": 4.0, "ce_weight": 0.1, "l1_weight": 0.9,
+               "confidence_weight": 1.0},
 }
 BLOCK_FIELDS = ("block_size", "draft_layers", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",
                 "num_anchors", "loss_decay_gamma", "ce_weight", "l1_weight", "confidence_weight")
@@ -119,21 +120,24 @@ class TrainConfig:
     # (BLOCK_DEFAULTS), so that a block option given to an eagle3 run is refused instead of ignored.
     kind: str = option("eagle3", "drafter kind: eagle3 (one token per drafter pass, trained with TTT), dflash or "
                                  "dspark (a block of tokens per pass, trained on random anchors)", choices=KINDS)
-    block_size: int | None = option(None, "dflash/dspark: slots per block: the anchor (the last known token) and "
-                                           "block_size - 1 mask tokens (default 7)", lo=2, hi=64,
+    block_size: int | None = option(None, "dflash/dspark: query slots per block: the anchor (the last known token) "
+                                           "and block_size - 1 mask tokens; dflash drafts block_size - 1 tokens, "
+                                           "dspark block_size (default 8 dflash, 7 dspark)", lo=2, hi=64,
                                     why="every slot costs drafter compute in every layer and acceptance decays "
                                         "with the slot")
     draft_layers: int | None = option(None, "dflash/dspark: decoder layers of a new drafter (default 2)", lo=1,
                                       hi=64)
-    target_layer_ids: str | None = option(None, "dflash/dspark: comma-separated target layers the drafter reads "
-                                                "(id L = the residual stream entering layer L); default: the "
-                                                "store's layers offline, (2, N//2, N-3) online")
+    target_layer_ids: str | None = option(None, "dflash/dspark: comma-separated target layers the drafter reads, "
+                                                "numbered as DFlash and DeepSpec do: id i = the output of layer i "
+                                                "(capture's --aux-layers i+1; -1: the embeddings); default: the "
+                                                "store's layers offline, 5 spread over layers 1..N-3 online")
     mask_token_id: int | None = option(None, "dflash/dspark: the token id that fills a block's draft slots "
                                              "(default: the model's choice)", lo=0)
     markov_rank: int | None = option(None, "dspark: rank of the Markov head (previous token -> logit bias; "
                                            "default 256; 0: none)", lo=0)
-    markov_head_type: str | None = option(None, "dspark: vanilla (bias from the previous token) or gated (gated by "
-                                                "the slot's state; default vanilla)", choices=("vanilla", "gated"))
+    markov_head_type: str | None = option(None, "dspark: vanilla (bias from the previous token; what vLLM and "
+                                                "llama.cpp read), gated or rnn (DeepSpec's; default vanilla)",
+                                          choices=("vanilla", "gated", "rnn"))
     num_anchors: int | None = option(None, "dflash/dspark: blocks trained per sample, at random answer positions "
                                            "(default 512; fewer where a sample has fewer)", lo=1)
     loss_decay_gamma: float | None = option(None, "dflash/dspark: the loss weight of the k-th drafted slot is "
@@ -250,8 +254,8 @@ def parse_layer_ids(text: str) -> tuple[int, ...]:
         ids = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
         ids = ()
-    if not ids or any(i < 0 for i in ids):
-        raise TrainError(f"--target-layer-ids (target_layer_ids) takes comma-separated layer ids >= 0, not {text!r}")
+    if not ids or any(i < -1 for i in ids):
+        raise TrainError(f"--target-layer-ids (target_layer_ids) takes comma-separated layer ids >= -1, not {text!r}")
     if len(set(ids)) != len(ids):
         raise TrainError(f"--target-layer-ids (target_layer_ids) {text!r} names a layer twice")
     return ids
@@ -270,6 +274,10 @@ def _check_kind(cfg: TrainConfig) -> None:
                              "this run trains --kind dflash")
     if cfg.kind in BLOCK_KINDS:
         cfg.layer_ids()
+        norms = [k for k in NORM_FIELDS if getattr(cfg, k)]
+        if norms:
+            raise TrainError(f"{', '.join(_flag(k) for k in norms)}: EAGLE-3.1 option(s); this run trains --kind "
+                             f"{cfg.kind}")
         if cfg.block_option("ce_weight") + cfg.block_option("l1_weight") <= 0:
             raise TrainError("--ce-weight and --l1-weight are both 0: nothing would train the drafter's tokens")
 

@@ -59,7 +59,7 @@ def choose_autocast(setting: str, device: torch.device, drafter, batch_tokens: i
     if fixed is not None:
         return fixed
     key = {"machine": machine_key(device), "batch_tokens": batch_tokens, "ttt_steps": ttt_steps,
-           "drafter": drafter.config.shape_key()}
+           "drafter": _shape_key(drafter)}
     hit = cache_get("train-autocast", key)
     if hit is None:
         hit = probe()
@@ -68,3 +68,14 @@ def choose_autocast(setting: str, device: torch.device, drafter, batch_tokens: i
     log(f"autocast {'bf16' if on else 'off'}: a training step took {hit['float32']:.2f} s in float32, "
         f"{hit['bf16']:.2f} s under bf16 autocast")
     return on
+
+
+def _shape_key(drafter) -> dict:
+    """What decides a drafter's step cost: its config's shape key, or (a block drafter) its config less the
+    target's fingerprint."""
+    key = getattr(drafter.config, "shape_key", None)
+    if key is not None:
+        return key()
+    import dataclasses
+
+    return {k: v for k, v in dataclasses.asdict(drafter.config).items() if k != "target"}

@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import default_aux_layers
-from draftsmith.model.drafter import Eagle3Drafter, init_head_from_target, load_drafter, new_drafter
+from draftsmith.model.drafter import Eagle3Drafter, new_drafter
 from draftsmith.stages.train.checkpoints import load_checkpoint, newest_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import NORM_FIELDS, TrainConfig, TrainError, config_hash
 from draftsmith.stages.train.data import OnlineSource, StoreSource, first_samples, make_batches, split_eval
-from draftsmith.stages.train.kinds import objective_for
+from draftsmith.stages.train.kinds import block_overrides, check_drafter_layers, init_head, objective_for
 from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
 from draftsmith.stages.train.loop import (
     Run,
@@ -128,7 +128,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     torch.manual_seed(cfg.seed)
 
     source, heads, aux_layers, dv = _setup_source(cfg, device, dtype, compute_dtype)
-    drafter = _setup_drafter(cfg, heads, dv, aux_layers, device, compute_dtype)
+    drafter = _setup_drafter(cfg, heads, dv, aux_layers, device, compute_dtype, getattr(source, "target", None))
     objective = objective_for(cfg, drafter)
     train_idx, eval_idx = split_eval(source.ids, cfg.eval_fraction)
     train_idx = first_samples(source.ids, train_idx, cfg.train_samples)
@@ -241,12 +241,14 @@ def _vocab_from_items(source: OnlineSource, vocab_size: int, draft_vocab_size: i
     return dv
 
 
-def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
-    """``cfg.init_drafter`` bound to the target's embedding, or a fresh drafter sized from the target's config."""
-    if cfg.kind != "eagle3":
-        raise TrainError(f"--kind {cfg.kind}: the block drafter model is not in this build yet")
+def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype, target=None) -> Eagle3Drafter:
+    """``cfg.init_drafter`` bound to the target's embedding, or a fresh drafter of ``cfg.kind`` sized from the
+    target's config. ``target``: the loaded target (online), whose aux layers a block drafter points at its own."""
+    from draftsmith.model.kinds import get_kind
+
     if cfg.init_drafter:
-        drafter = load_drafter(cfg.init_drafter, device=device, dtype=dtype)
+        drafter = get_kind(cfg.kind).load(cfg.init_drafter, device=device, dtype=dtype)
+        check_drafter_layers(cfg, drafter, aux_layers, target)
         drafter.bind_embeddings(heads.embed_tokens)
         return drafter.train()
 
@@ -256,15 +258,20 @@ def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
 
     n_layers = int(heads.config.num_hidden_layers)
     fingerprint = target_fingerprint(heads.config)
-    # The few attributes DrafterConfig.from_target and new_drafter read; the full target need not be loaded.
-    like_target = SimpleNamespace(
+    # The few attributes the drafters' from_target and new_* read; the full target need not be loaded.
+    like_target = target or SimpleNamespace(
         config=heads.config, vocab_size=heads.vocab_size, hidden_size=heads.hidden_size,
         embed_tokens=heads.embed_tokens, aux_layers=aux_layers or default_aux_layers(n_layers),
-        device=torch.device(device), dtype=dtype, fingerprint=lambda: fingerprint)
-    norms = {k: getattr(cfg, k) for k in NORM_FIELDS}  # EAGLE-3.1 switches (all off: EAGLE-3)
-    drafter = new_drafter(like_target, draft_vocab=dv, seed=cfg.seed, **norms)
+        device=torch.device(device), dtype=dtype, fingerprint=lambda: fingerprint, num_layers=n_layers,
+        name=cfg.target, tokenizer=None, set_aux_hidden_state_layers=lambda layers: None)
+    if cfg.kind == "eagle3":
+        norms = {k: getattr(cfg, k) for k in NORM_FIELDS}  # EAGLE-3.1 switches (all off: EAGLE-3)
+        drafter = new_drafter(like_target, draft_vocab=dv, seed=cfg.seed, **norms)
+    else:
+        overrides = block_overrides(cfg, (aux_layers or None) if target is None else None)
+        drafter = get_kind(cfg.kind).new(like_target, draft_vocab=dv, seed=cfg.seed, **overrides)
     if cfg.init_head:
-        init_head_from_target(drafter, heads.lm_head_weight, heads.final_norm_weight)
+        init_head(drafter, heads.lm_head_weight, heads.final_norm_weight)
     return drafter.to(device=device, dtype=dtype).train()
 
 
