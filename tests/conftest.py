@@ -27,7 +27,7 @@ def tiny_target(arch: str, dtype: torch.dtype = torch.float64, num_hidden_layers
 def block_target(arch: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Target:
     """``tiny_target``'s model in a Target of its own: block drafters point a target's aux layers at theirs, which
     must not leak into the EAGLE-3 tests that share ``tiny_target`` in the same worker."""
-    return Target(build_tiny_model(arch, seed=seed, dtype=dtype, num_hidden_layers=8))
+    return Target(build_tiny_model(arch, seed=seed, dtype=dtype, num_hidden_layers=6))
 
 
 def random_prompts(n: int, seed: int, vocab: int = 256, max_len: int = 24) -> list[list[int]]:
@@ -79,6 +79,41 @@ def fit_drafter(target: Target, sequences: list[list[int]], steps: int = 200, se
     return drafter.to(target.dtype).eval()
 
 
+
+
+def fit_block_drafter(target: Target, sequences: list[list[int]], kind: str, steps: int = 80, seed: int = 0,
+                      anchors: int = 8, **overrides):
+    """Fit a DFlash/DSpark drafter to the target's own choices so that it accepts often: a small stand-in for the
+    trainer (cross-entropy on the target's argmax at every drafted position of ``anchors`` random blocks per
+    sequence), fitted in float32 and cast to the target's dtype. Sequences are right-padded; a block whose
+    position passes a sequence's end is not scored there."""
+    from draftsmith.model.block_drafter import new_block_drafter
+
+    torch.manual_seed(seed)
+    t = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), t, dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in sequences])
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+    drafter = new_block_drafter(target, kind, seed=seed, **overrides).float().train()  # sets the target's layers
+    with torch.no_grad():
+        out = target(ids)
+    labels = out.logits.argmax(-1)  # labels[:, p - 1] = the target's choice for position p
+    aux = tuple(a.float() for a in out.aux_hidden_states)
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        anchor = (torch.rand(len(sequences), anchors, generator=g) * (lengths[:, None] - 1)).long()
+        res = drafter.forward_train(aux, ids, anchor)
+        pos = res.positions
+        ok = (pos >= 0) & (pos < lengths[:, None, None])
+        want = labels.gather(1, (pos - 1).clamp(min=0).flatten(1)).view_as(pos)
+        ce = torch.nn.functional.cross_entropy(res.logits.flatten(0, 2), want.flatten(), reduction="none")
+        loss = (ce * ok.flatten()).sum() / ok.sum().clamp_min(1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.to(target.dtype).eval()
 
 
 _TEXT = ("the cat sat on a mat and then it ran over to see the dog who was very happy about "

@@ -171,3 +171,25 @@ def test_default_target_layers():
     cfg = BlockDrafterConfig.from_target(block_target("llama"), "dspark", markov_rank=4)
     assert cfg.aux_layer_ids == tuple(i + 1 for i in cfg.target_layer_ids)
     assert cfg.num_drafts == cfg.block_size == 7 and cfg.sample_from_anchor
+
+
+def test_default_mask_token_is_never_an_end_token():
+    from types import SimpleNamespace
+
+    from draftsmith.model.block_drafter import default_mask_token_id
+
+    class Tok(SimpleNamespace):
+        def __len__(self):
+            return self.n
+
+    def target(tok, vocab=100, **cfg):
+        return SimpleNamespace(tokenizer=tok, vocab_size=vocab,
+                               config=SimpleNamespace(**{"eos_token_id": 2, "pad_token_id": None, **cfg}))
+
+    # Qwen3: the table is padded past the tokenizer, the first unused row (151669 there) is the mask
+    assert default_mask_token_id(target(Tok(n=90, pad_token_id=5, eos_token_id=2, unk_token_id=None))) == 90
+    # SmolLM2: pad is the end token; the unknown token is not
+    assert default_mask_token_id(target(Tok(n=100, pad_token_id=2, eos_token_id=2, unk_token_id=0),
+                                        pad_token_id=2)) == 0
+    assert default_mask_token_id(target(None, pad_token_id=0)) == 0
+    assert default_mask_token_id(target(None, eos_token_id=[2, 7], pad_token_id=7)) == 99

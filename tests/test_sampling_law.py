@@ -17,12 +17,12 @@ from scipy.stats import chisquare
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.model.drafter import Eagle3Drafter, new_drafter
 from draftsmith.model.target import Target
+from draftsmith.stages.block_decode import scatter_q
 from draftsmith.stages.decode import (
     ChainSpec,
     SamplingParams,
     SpeculativeDecoder,
     TreeSpec,
-    _scatter_q,
     _Tree,
     logits_to_probs,
 )
@@ -120,7 +120,7 @@ def test_draft_q_sits_at_the_target_ids():
     """A sampled draft's q lives over the draft vocabulary; the accept step reads it at target ids (via d2t)."""
     drafter = new_drafter(flat_target(), draft_vocab=vocab_mod.from_target_ids(DRAFT_IDS, V), seed=0)
     q = torch.softmax(torch.randn(len(DRAFT_IDS), generator=torch.Generator().manual_seed(0)), -1)
-    full = _scatter_q(drafter, q, V)
+    full = scatter_q(drafter, q)
     torch.testing.assert_close(full[DRAFT_IDS], q, atol=0, rtol=0)
     assert full[[i for i in range(V) if i % 3 == 0]].eq(0).all()
 

@@ -20,6 +20,7 @@ import torch
 from draftsmith.core.errors import UsageError
 from draftsmith.data.chat import stop_token_ids
 from draftsmith.data.prompts import BenchPrompt, load_prompts, training_overlap
+from draftsmith.stages.block_decode import BlockSpec
 from draftsmith.stages.decode import (
     ChainSpec,
     DecodeResult,
@@ -124,6 +125,8 @@ def spec_name(spec) -> str:
         return f"eagle3 chain k={spec.k}"
     if isinstance(spec, TreeSpec):
         return f"eagle3 tree {spec.depth},{spec.top_k},{spec.total_tokens}"
+    if isinstance(spec, BlockSpec):
+        return f"{spec.kind} block k={spec.k}"
     if isinstance(spec, HybridSpec):
         return (f"hybrid {spec.tree.depth},{spec.tree.top_k},{spec.tree.total_tokens}+lookup {spec.lookup.k}"
                 f"{spec.lookup.ngram_label}")

@@ -24,6 +24,7 @@ from draftsmith.app.args import (
     fail,
     parse_ints,
 )
+from draftsmith.app.kind_args import BLOCK_HELP, add_kind_args
 from draftsmith.app.recipe import add_config_flags, apply_recipe
 from draftsmith.core.allocator import keep_freed_memory
 from draftsmith.core.errors import UsageError, one_line
@@ -41,9 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("decode", help="decode one prompt, plainly or speculatively, and report acceptance")
     add_target_args(p)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (config.json + model.safetensors)")
+    g.add_argument("--drafter", default=None, help="drafter directory (config.json + model.safetensors) of any kind")
     g.add_argument("--random-drafter", action="store_true",
                    help="an untrained drafter (acceptance near 1): measures the speculative overhead")
+    add_kind_args(p)
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", choices=["auto"], default=None, help="auto: the chain, tree or hybrid (or plain) "
                    "expected fastest here from measured verify costs and acceptance (cached); no --dtype: fp32 or "
                    "bf16, the faster")
+    s.add_argument("--block", type=int, default=None, metavar="K", help=BLOCK_HELP)
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="graft K prompt-lookup tokens (default 3) onto the --tree draft tree, verified in one pass")
     p.add_argument("--hybrid-min-ngram", type=int, default=1, metavar="N",
@@ -76,7 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure a drafter on real prompt sets against plain decoding")
     add_target_args(p)
-    p.add_argument("--drafter", required=True, help="EAGLE-3 drafter directory")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--drafter", default=None, help="drafter directory of any kind (its config.json says which)")
+    g.add_argument("--random-drafter", action="store_true",
+                   help="an untrained drafter of --kind: measures the speculative overhead")
+    add_kind_args(p)
+    p.add_argument("--block", default=None, metavar="K[,K...]",
+                   help=BLOCK_HELP + "; one row per K given, e.g. 2,4,7")
     p.add_argument("--datasets", default="mt-bench", help="comma-separated: mt-bench, humaneval, or JSONL paths")
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
     p.add_argument("--chain", type=int, default=None, metavar="K",
@@ -203,7 +212,8 @@ def _bench(args, argv: list[str]) -> int:
         update_readme,
         write_report,
     )
-    from draftsmith.model.drafter import load_drafter
+    from draftsmith.app.kind_args import drafter_kind, drafts_blocks, make_drafter
+    from draftsmith.stages.block_decode import BlockSpec, resolve_block_spec
     from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, TreeSpec
     from draftsmith.stages.step_config import choose_for_drafting, load_target_for
 
@@ -217,6 +227,8 @@ def _bench(args, argv: list[str]) -> int:
     if args.engine == "llamacpp":
         from draftsmith.app.bench_llamacpp import bench_llamacpp_command
 
+        if not args.drafter:
+            raise UsageError("--engine llamacpp measures a saved drafter: give --drafter")
         return bench_llamacpp_command(args)
     lookup_ks = parse_ints(args.prompt_lookup) or []
     if any(k < 0 for k in lookup_ks):
@@ -229,7 +241,9 @@ def _bench(args, argv: list[str]) -> int:
                      max_new_tokens=args.max_new_tokens, prompt_lookup_ks=lookup_ks)
     if args.readme:
         check_readme(args.readme, args.readme_section)
-    fixed = args.chain is not None or not (args.tree or args.shape)
+    kind = drafter_kind(args)
+    blocks = drafts_blocks(args, kind, ("--chain", "--tree", "--shape", "--hybrid"))
+    fixed = args.chain is not None or not (args.tree or args.shape or blocks)
     specs = [ChainSpec(args.chain if args.chain is not None else 3)] if fixed else []
     if args.tree:
         specs.append(TreeSpec.parse(args.tree))
@@ -244,11 +258,14 @@ def _bench(args, argv: list[str]) -> int:
             raise UsageError("--shape auto chooses for one temperature (acceptance depends on it): give one "
                              f"--temperature, got {args.temperature}")
         target, drafter, choice, note = choose_for_drafting(
-            args.target, lambda t: load_drafter(args.drafter, t), args.drafter, args.device, args.dtype,
+            args.target, lambda t: make_drafter(args, kind, t), args.drafter, args.device, args.dtype,
             parse_ints(args.aux_layers), args.max_new_tokens, temperature=temperatures[0])
     else:
         target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers))
-        drafter, choice = load_drafter(args.drafter, target), None
+        drafter, choice = make_drafter(args, kind, target), None
+    if blocks:
+        for k in dict.fromkeys(parse_ints(args.block) or [None]):
+            specs.append(resolve_block_spec(drafter, target, BlockSpec(k)))
     if choice is not None and choice.shape is not None:
         # A chosen hybrid is measured with its bare tree too, so the table shows what lookup's branch adds, and
         # with its siblings at --hybrid-min-ngram's other N (the cost model weighs those on calibration text only).
@@ -289,8 +306,9 @@ def _quiet_libraries() -> None:
 def _decode(args) -> int:
     import torch
 
-    from draftsmith.model.drafter import load_drafter, new_drafter
+    from draftsmith.app.kind_args import drafter_kind, drafts_blocks, make_drafter
     from draftsmith.model.target import context_budget
+    from draftsmith.stages.block_decode import BlockSpec
     from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SamplingParams, SpeculativeDecoder, TreeSpec
     from draftsmith.stages.step_config import choose_for_drafting, load_target_for
 
@@ -302,24 +320,25 @@ def _decode(args) -> int:
     except UnicodeEncodeError:  # an argv byte that is not UTF-8 arrives as a lone surrogate
         raise UsageError("--prompt is not valid UTF-8 text (check the shell's or file's encoding)") from None
     spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain if args.chain is not None else 3)
-    if (args.chain is not None or args.tree or args.shape) and not (args.drafter or args.random_drafter):
-        raise UsageError("--chain/--tree/--shape need --drafter PATH or --random-drafter")
+    if (args.chain is not None or args.tree or args.shape or args.block) and not (args.drafter or args.random_drafter):
+        raise UsageError("--chain/--tree/--shape/--block need --drafter PATH or --random-drafter")
+    kind = drafter_kind(args)
+    if drafts_blocks(args, kind, ("--chain", "--tree", "--shape", "--hybrid")):
+        spec = BlockSpec(args.block)
     if args.prompt_lookup is not None:
         if args.drafter or args.random_drafter:
             raise UsageError("--prompt-lookup drafts without a drafter; drop --drafter/--random-drafter")
         spec = NgramSpec(args.prompt_lookup)
     if args.hybrid is not None:
         spec = HybridSpec.parse(args.tree, args.hybrid or 3, args.hybrid_min_ngram)
-    def make_drafter(target):
-        return load_drafter(args.drafter, target) if args.drafter else new_drafter(target)
-
     if args.shape:
-        target, drafter, choice, note = choose_for_drafting(args.target, make_drafter, args.drafter, args.device,
-                                                            args.dtype, parse_ints(args.aux_layers),
-                                                            args.max_new_tokens, temperature=args.temperature)
+        target, drafter, choice, note = choose_for_drafting(args.target, lambda t: make_drafter(args, kind, t),
+                                                            args.drafter, args.device, args.dtype,
+                                                            parse_ints(args.aux_layers), args.max_new_tokens,
+                                                            temperature=args.temperature)
     else:
         target, note = load_target_for(args.target, args.device, args.dtype, parse_ints(args.aux_layers))
-        drafter = make_drafter(target) if args.drafter or args.random_drafter else None
+        drafter = make_drafter(args, kind, target) if kind else None
         choice = None
     if choice is not None:
         spec, drafter = (choice.shape, drafter) if choice.shape is not None else (spec, None)
@@ -340,6 +359,7 @@ def _decode(args) -> int:
     if args.json:
         report = {"text": text, **result.to_dict(),
                   "mode": "plain" if not use_spec else type(spec).__name__.removesuffix("Spec").lower(),
+                  **({"kind": kind} if kind and use_spec else {}),
                   **({"auto_shape": {**choice.to_dict(), "dtype": note}} if choice else {})}
         print(json.dumps(report))
     else:

@@ -168,16 +168,19 @@ def default_target_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
 
 
 def default_mask_token_id(target) -> int:
-    """A token the target never emits in text: the tokenizer's pad (when it is not end-of-sequence), else the
-    config's pad, else the last vocabulary row. DFlash embeds it with the target's own table."""
-    tok = getattr(target, "tokenizer", None)
-    pad = getattr(tok, "pad_token_id", None) if tok is not None else None
-    if pad is not None and pad != getattr(tok, "eos_token_id", None):
-        return int(pad)
-    pad = getattr(target.config, "pad_token_id", None)
-    if isinstance(pad, int) and 0 <= pad < target.vocab_size:
-        return pad
-    return target.vocab_size - 1
+    """A row the target never emits: the first embedding row past the tokenizer's tokens where the table is
+    padded (Qwen3: 151669, DeepSpec's and z-lab's choice), else a pad or unknown token that is not an end token,
+    else the last row. DFlash and DSpark embed it with the target's own table."""
+    tok, cfg, vocab = getattr(target, "tokenizer", None), target.config, target.vocab_size
+    if tok is not None and len(tok) < vocab:
+        return len(tok)
+    ends = {getattr(tok, "eos_token_id", None)}
+    ends |= set(cfg.eos_token_id) if isinstance(cfg.eos_token_id, list) else {cfg.eos_token_id}
+    for cand in (getattr(tok, "pad_token_id", None), getattr(cfg, "pad_token_id", None),
+                 getattr(tok, "unk_token_id", None)):
+        if isinstance(cand, int) and 0 <= cand < vocab and cand not in ends:
+            return cand
+    return vocab - 1
 
 
 class BlockAttention(nn.Module):
@@ -555,4 +558,9 @@ def load_block_drafter(path: str | Path, target=None, *, device=None, dtype: tor
     if target is not None:
         attach(drafter, target)
         device, dtype = device or target.device, dtype or target.dtype
-    return drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+    drafter = drafter.to(device=device or "cpu", dtype=dtype or torch.float32).eval()
+    if target is not None and getattr(target, "packed", False):  # as load_drafter: packed where the target is
+        from draftsmith.model.packing import pack_linears
+
+        pack_linears(drafter)
+    return drafter

@@ -17,7 +17,9 @@ import torch
 
 from draftsmith.core.errors import UsageError
 from draftsmith.model.drafter import Eagle3Drafter, KVCache
+from draftsmith.model.kinds import get_kind
 from draftsmith.model.target import Target, cache_keep, context_budget
+from draftsmith.stages.block_decode import BlockSpec, new_block_cache, propose_block, resolve_block_spec, scatter_q
 
 #: The longest draft (chain K, tree depth, prompt-lookup K). Acceptance decays geometrically with the draft
 #: position (EAGLE-3 chains use K 3-8, its trees depth 5-8), so past a few dozen positions nothing is ever
@@ -276,13 +278,19 @@ class SpeculativeDecoder:
     """Batch-1 decoding of one request, plain (no drafter) or speculative (chain or tree)."""
 
     def __init__(self, target: Target, drafter: Eagle3Drafter | None = None,
-                 spec: ChainSpec | TreeSpec | NgramSpec | HybridSpec | None = None):
+                 spec: ChainSpec | TreeSpec | NgramSpec | HybridSpec | BlockSpec | None = None):
+        """``drafter`` of any kind (model/kinds.py): a block drafter drafts ``BlockSpec`` blocks."""
+        blocks = drafter is not None and get_kind(drafter.kind).drafts_blocks
         if drafter is not None and spec is None:
-            spec = ChainSpec(3)
+            spec = BlockSpec() if blocks else ChainSpec(3)
         if drafter is None and spec is not None and not isinstance(spec, NgramSpec):
             raise UsageError(f"{type(spec).__name__} drafting needs a drafter")
+        if drafter is not None and blocks != isinstance(spec, BlockSpec):
+            raise UsageError(f"a {drafter.kind} drafter cannot draft {type(spec).__name__}")
         self.target, self.drafter, self.spec = target, drafter, spec
-        if drafter is not None:
+        if blocks:
+            self.spec = resolve_block_spec(drafter, target, spec)
+        elif drafter is not None:
             from draftsmith.model.drafter import check_fits
 
             check_fits(drafter.config, target)
@@ -347,7 +355,8 @@ class SpeculativeDecoder:
     # --- speculative -------------------------------------------------------------------------------------
     def _speculative(self, ids, max_new_tokens, sampling, generator, result: DecodeResult) -> None:
         target, drafter, device = self.target, self.drafter, ids.device
-        cache, dcache = target.new_cache(), KVCache()
+        blocks = isinstance(self.spec, BlockSpec)
+        cache, dcache = target.new_cache(), new_block_cache(drafter) if blocks else KVCache()
         t = time.perf_counter()
         out = target(ids, cache=cache, logits_to_keep=1)
         result.target_forward_passes += 1
@@ -369,6 +378,11 @@ class SpeculativeDecoder:
                              depths=list(range(1, len(drafts) + 1)), is_tree=False)
             else:
                 pos = torch.arange(length - next_ids.shape[1], length, device=device)[None]
+            if blocks:
+                drafts, q = propose_block(drafter, dcache, feats, pos, pending, self.spec.k, sampling, generator)
+                tree = _Tree(tokens=drafts, parents=list(range(len(drafts))),
+                             depths=list(range(1, len(drafts) + 1)), q_probs=q, is_tree=False)
+            elif drafter is not None:
                 h = drafter(drafter.fuse(feats), next_ids, pos, dcache)[:, -1:]
                 if isinstance(self.spec, TreeSpec):
                     tree = self._draft_tree(h, length, dcache, self.spec)
@@ -419,7 +433,7 @@ class SpeculativeDecoder:
             else:
                 q = logits_to_probs(logits, SamplingParams(temperature=sampling.temperature))
                 draft = _sample(q, generator)
-                q_probs.append(_scatter_q(drafter, q, drafter.config.vocab_size))
+                q_probs.append(scatter_q(drafter, q))
             tok = int(drafter.d2t[draft]) + draft
             tokens.append(tok)
             if j + 1 < k:
@@ -582,10 +596,3 @@ def _ancestors(parents: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor,
     if not root:
         anc[:, 0] = False
     return anc[queries][:, keys]
-
-
-def _scatter_q(drafter: Eagle3Drafter, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The drafter's distribution over the full target vocabulary (zero outside the draft vocab)."""
-    full = torch.zeros(vocab_size, dtype=q.dtype, device=q.device)
-    idx = torch.arange(q.numel(), device=q.device)
-    return full.index_copy(0, drafter.to_target_ids(idx), q)
