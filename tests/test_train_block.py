@@ -260,3 +260,72 @@ def test_offline_block_training_learns(block_workspace, tmp_path, kind):
     plain = SpeculativeDecoder(target).generate(prompt, 30)
     spec = SpeculativeDecoder(target, drafter).generate(prompt, 30)
     assert spec.token_ids == plain.token_ids and spec.acceptance_length > 1.2
+
+
+def test_block_resume_is_exact(block_workspace, tmp_path):
+    """Killed after step 7 and resumed, a dspark run ends with the weights of a straight run: the anchors drawn
+    after the resume are the ones the straight run drew (the checkpoint keeps the RNG)."""
+    from safetensors.torch import load_file
+
+    from draftsmith.stages.train.run import train
+
+    cfg = dict(max_steps=12, eval_every=6, save_every=4)
+    straight = train(_block_cfg(block_workspace, tmp_path / "a", "dspark", **cfg))
+    train(_block_cfg(block_workspace, tmp_path / "b", "dspark", stop_at_step=7, **cfg))
+    resumed = train(_block_cfg(block_workspace, tmp_path / "b", "dspark", resume=True, **cfg))
+    assert straight.steps == resumed.steps == 12
+    a = load_file(tmp_path / "a" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and any(k.startswith("markov_head.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert straight.last_eval == resumed.last_eval
+
+
+def test_store_layers_other_than_the_drafters_are_refused_with_one_line(block_workspace, tmp_path, capsys):
+    from draftsmith.cli import main
+    from draftsmith.stages.train.config import TrainError
+    from draftsmith.stages.train.run import train
+
+    root, model, convs, store = block_workspace
+    with pytest.raises(TrainError, match=r"holds target layers \[0, 2, 4, 5\].*reads target_layer_ids \[1, 2, 4, 5\]"
+                                         r".*--aux-layers 2,3,5,6 or train with --target-layer-ids 0,2,4,5"):
+        train(_block_cfg(block_workspace, tmp_path / "x", "dflash", target_layer_ids="1,2,4,5"))
+    capsys.readouterr()
+    argv = ["train", "--kind", "dspark", "--target", str(model), "--store", str(store), "--out", str(tmp_path / "y"),
+            "--target-layer-ids", "0,2,4", "--no-progress", "--no-plot"]
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("draftsmith: error:") and "--aux-layers 1,3,5" in err[0], err
+    assert not (tmp_path / "y" / "checkpoints").exists()
+    # An EAGLE-3 run is refused a block option instead of ignoring it; a dflash run a DSpark head.
+    assert main(["train", "--store", str(store), "--out", str(tmp_path / "z"), "--block-size", "4"]) == 2
+    assert "dflash/dspark option" in capsys.readouterr().err
+    assert main(["train", "--kind", "dflash", "--store", str(store), "--out", str(tmp_path / "z"),
+                 "--markov-rank", "8"]) == 2
+    assert "dspark option" in capsys.readouterr().err
+
+
+def test_train_kind_cli_end_to_end_online(block_workspace, tmp_path, capsys):
+    """`train --kind dspark` online (the target in the loop, capturing the drafter's own layers), through the CLI:
+    the run's config says the kind, best/ loads as a DSpark drafter, and --resume of a finished run is a no-op."""
+    import json
+
+    from draftsmith.cli import main
+    from draftsmith.model.kinds import kind_of_dir
+
+    root, model, convs, store = block_workspace
+    out = tmp_path / "online"
+    argv = ["train", "--kind", "dspark", "--target", str(model), "--conversations", str(convs), "--out", str(out),
+            "--max-steps", "4", "--batch-tokens", "512", "--block-size", "3", "--draft-layers", "1",
+            "--markov-rank", "8", "--num-anchors", "16", "--target-layer-ids", "1,3", "--eval-every", "4",
+            "--draft-vocab-size", "300", "--autocast", "off", "--no-progress", "--no-plot", "--json"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps"] == 4 and len(report["last_eval"]["acc"]) == 3
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["kind"] == "dspark" and saved["block_size"] == 3
+    assert kind_of_dir(out / "best") == "dspark"
+    conf = json.loads((out / "best" / "config.json").read_text())
+    assert conf["target_layer_ids"] == [1, 3] and conf["block_size"] == 3 and conf["markov_rank"] == 8
