@@ -329,3 +329,23 @@ def test_train_kind_cli_end_to_end_online(block_workspace, tmp_path, capsys):
     assert kind_of_dir(out / "best") == "dspark"
     conf = json.loads((out / "best" / "config.json").read_text())
     assert conf["target_layer_ids"] == [1, 3] and conf["block_size"] == 3 and conf["markov_rank"] == 8
+
+
+@pytest.mark.slow
+def test_block_training_under_torchrun_two_processes_gloo(block_workspace, tmp_path):
+    """The loop EAGLE-3 uses runs a dspark drafter on 2 CPU ranks: gradients averaged, rank 0 checkpoints."""
+    import os
+    import subprocess
+    import sys
+
+    root, model, convs, store = block_workspace
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(f'target = "{model}"\nstore = "{store}"\nkind = "dspark"\nmax_steps = 2\nbatch_tokens = 256\n'
+                   f'block_size = 3\nmarkov_rank = 8\nnum_anchors = 8\ndraft_layers = 1\nautocast = "off"\n'
+                   f'progress = false\nplot = false\neval_every = 2\nsave_every = 2\nout = "{tmp_path / "ddp"}"\n')
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29537", "-m", "draftsmith.cli", "train", "--config", str(cfg)], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ddp" / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    assert (tmp_path / "ddp" / "final" / "model.safetensors").is_file()
