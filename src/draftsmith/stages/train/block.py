@@ -54,7 +54,7 @@ class BlockSpec:
 # --- anchors and labels ------------------------------------------------------------------------------------
 def sample_anchors(answer: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``num_anchors`` distinct random anchors per row, as flat ``(rows, anchors)`` sorted by row, anchor.
+    """Up to ``num_anchors`` distinct random anchors per row, as flat CPU ``(rows, anchors)`` sorted by row, anchor.
 
     A candidate ``a`` is an answer token followed by an answer token (the block's first label trains), with
     ``1 <= a <= length - 2``: a block needs context before it. Drawn on the CPU from ``generator`` (None: the
@@ -71,9 +71,7 @@ def sample_anchors(answer: torch.Tensor, lengths: torch.Tensor, num_anchors: int
     order = scores.argsort(dim=1, stable=True)
     rank = order.argsort(dim=1)  # the rank of each position among its row's random scores
     chosen = cand & (rank < num_anchors)
-    rows, anchors = chosen.nonzero(as_tuple=True)  # row-major: sorted by row, then position
-    device = answer.device if answer.device.type != "cpu" else lengths.device
-    return rows.to(device), anchors.to(device)
+    return chosen.nonzero(as_tuple=True)  # row-major: sorted by row, then position (on the CPU)
 
 
 def block_labels(spec: BlockSpec, answer: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
@@ -173,7 +171,8 @@ def block_objective(drafter, batch: TTTBatch, teacher, spec: BlockSpec,
     rows, anchors = sample_anchors(answer, batch.lengths, spec.num_anchors, generator)
     rows, anchors = rows.to(batch.input_ids.device), anchors.to(batch.input_ids.device)
     stats = TTTStats(correct=[0.0] * spec.drafted, total=[0.0] * spec.drafted)
-    if rows.numel() == 0:
+    if rows.numel() == 0:  # no answer to anchor on: a zero loss that still gives every parameter a gradient,
+        # so that ranks reducing gradients under torchrun reduce the same tensors
         zero = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
         return zero, stats
     labels, scored = block_labels(spec, answer, batch.lengths, rows, anchors)

@@ -8,6 +8,7 @@ An objective is called ``objective(drafter, batch, teacher, generator=None) -> (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -15,9 +16,19 @@ from draftsmith.core.conventions import aux_to_block_layer_ids
 from draftsmith.model.block_drafter import BlockDrafter
 from draftsmith.model.block_drafter import init_head_from_target as init_block_head
 from draftsmith.model.drafter import init_head_from_target as init_eagle3_head
-from draftsmith.model.ttt import TTTBatch, ttt_forward
+from draftsmith.model.ttt import TTTBatch, TTTStats, ttt_forward
 from draftsmith.stages.train.block import BlockObjective, BlockSpec
 from draftsmith.stages.train.config import TrainConfig, TrainError
+
+
+class Objective(Protocol):
+    """What the loop calls per batch, and the length of the per-position statistics it returns."""
+
+    @property
+    def positions(self) -> int: ...
+
+    def __call__(self, drafter, batch: TTTBatch, teacher, generator: torch.Generator | None = None
+                 ) -> tuple[torch.Tensor, TTTStats]: ...
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,7 @@ class TTTObjective:
         return ttt_forward(drafter, batch, teacher, self.ttt_steps, self.decay)
 
 
-def objective_for(cfg: TrainConfig, drafter) -> TTTObjective | BlockObjective:
+def objective_for(cfg: TrainConfig, drafter) -> Objective:
     """The run's objective; a block drafter's own config decides its block size and slot convention."""
     if cfg.kind == "eagle3":
         return TTTObjective(cfg.ttt_steps, cfg.step_decay)
@@ -63,9 +74,9 @@ def block_overrides(cfg: TrainConfig, store_aux: tuple[int, ...] | None) -> dict
         if getattr(cfg, ours) is not None:
             out[theirs] = getattr(cfg, ours)
     if cfg.kind == "dspark":
-        rank = cfg.markov_rank if cfg.markov_rank is not None else 1  # the model's default rank is > 0
+        markov = cfg.markov_rank is None or cfg.markov_rank > 0  # the model's default rank is > 0
         head = float(cfg.block_option("confidence_weight")) > 0  # DeepSpec: no loss weight, no head
-        out.update(enable_confidence_head=head, confidence_head_with_markov=head and rank > 0)
+        out.update(enable_confidence_head=head, confidence_head_with_markov=head and markov)
     return out
 
 

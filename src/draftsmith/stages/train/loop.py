@@ -30,7 +30,7 @@ from draftsmith.stages.train.budget import describe as describe_plan
 from draftsmith.stages.train.checkpoints import save_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import TrainConfig, TrainError
 from draftsmith.stages.train.data import OnlineSource, StoreSource, every_position, make_batches
-from draftsmith.stages.train.kinds import TTTObjective, objective_for
+from draftsmith.stages.train.kinds import Objective, objective_for
 from draftsmith.stages.train.logs import MetricsLog
 
 
@@ -147,7 +147,7 @@ class Run:
     step_ceiling: int  # max_steps, or the steps `epochs` give
     drafter: Eagle3Drafter
     teacher: Teacher
-    objective: TTTObjective | object  # kinds.objective_for: the kind's loss and per-position statistics
+    objective: Objective  # kinds.objective_for: the kind's loss and per-position statistics
     params: list[torch.nn.Parameter]
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
