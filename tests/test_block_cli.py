@@ -76,3 +76,16 @@ def test_bench_block_drafter_reports_per_position_acceptance(dirs, capsys, tmp_p
                         "--datasets", str(dirs / "one.jsonl"), "--max-new-tokens", "4", "--chain", "2",
                         "--out", str(tmp_path / "c"), "--no-progress")
     assert code == 2 and "drafts blocks" in err
+
+
+def test_decode_shape_auto_chooses_a_block_length(dirs, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    args = ["decode", "--target", str(dirs / "model"), "--prompt", "hello there", "--chat", "--max-new-tokens",
+            "6", "--json", "--dtype", "float32"]
+    code, out, _ = _run(capsys, *args)
+    plain = json.loads(out)["token_ids"]
+    code, out, err = _run(capsys, *args, "--drafter", str(dirs / "dspark"), "--shape", "auto")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["token_ids"] == plain
+    assert all(name.startswith("dspark block ") for name in report["auto_shape"]["candidates"])

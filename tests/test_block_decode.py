@@ -133,3 +133,38 @@ def test_sampled_block_decoding_keeps_target_distribution(kind, params):
     for pair, (pvalue, cells) in law_pvalues(counts, exact).items():
         assert cells >= MIN_CELLS, (pair, cells)
         assert pvalue > ALPHA, (pair, pvalue)
+
+
+# --- --shape auto for blocks ------------------------------------------------------------------------------------
+def test_block_shapes_are_weighed_as_chains_with_one_drafter_pass():
+    from draftsmith.stages.shapes import Acceptance, choose_shape, expected_tau, shape_name, verified_tokens
+    from draftsmith.stages.verify_cost import VerifyCost
+
+    acc = Acceptance.from_chain([0.9, 0.8, 0.5, 0.1])
+    blocks = [BlockSpec(k, "dspark") for k in range(1, 5)]
+    assert expected_tau(acc, blocks[2]) == pytest.approx(1 + 0.9 + 0.72 + 0.36)
+    assert verified_tokens(blocks[3]) == 5 and shape_name(blocks[1]) == "dspark block 2"
+    # verify costs 1 step up to 4 tokens, 1.5 at 5; a block costs 0.1 step whatever its length
+    cost = VerifyCost(1.0, {1: 1.0, 4: 1.0, 5: 1.5}, draft={1: 0.1, 4: 0.1})
+    assert cost.t_draft(blocks[3]) == pytest.approx(0.1)
+    choice = choose_shape(acc, cost, blocks)
+    assert choice.shape == blocks[2] and choice.speedup == pytest.approx((1 + 0.9 + 0.72 + 0.36) / 1.1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_calibration_and_measured_cost(kind, monkeypatch, tmp_path):
+    from draftsmith.stages.shapes import auto_shape, calibrate_block_acceptance
+
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    target = block_target("llama")
+    drafter, prompts = fitted(kind)
+    acc = calibrate_block_acceptance(target, drafter, prompts[:3], max_new_tokens=16)
+    rates = [r[0] for r in acc.ranks]
+    assert len(rates) == drafter.config.num_drafts and rates[0] > 0.5, rates  # fitted: the first draft lands
+    sampled = calibrate_block_acceptance(target, drafter, prompts[:2], max_new_tokens=8, temperature=1.0)
+    assert len(sampled.chain) == drafter.config.num_drafts and 0 < sampled.chain[0] <= 1
+    choice, cost, _ = auto_shape(target, drafter, None, prompts=prompts[:2], reps=1,
+                                 calibrate={"max_new_tokens": 12})
+    assert set(cost.draft) == set(range(1, drafter.config.num_drafts + 1))
+    assert all(name.startswith(f"{kind} block ") for name in choice.table)
+    assert choice.shape is None or choice.shape.kind == kind

@@ -133,6 +133,8 @@ def test_bad_configs_and_files_are_one_clear_error(tmp_path):
         _drafter("dflash", block_size=1)
     with pytest.raises(DrafterError, match="markov_head_type"):
         _drafter("dspark", markov_head_type="lstm")
+    with pytest.raises(DrafterError, match="strictly increasing"):  # vLLM would concatenate them as 1, 3
+        _drafter("dflash", target_layer_ids=(3, 1))
     d = _drafter("dflash")
     d.save(tmp_path / "d")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -193,3 +195,21 @@ def test_default_mask_token_is_never_an_end_token():
                                         pad_token_id=2)) == 0
     assert default_mask_token_id(target(None, pad_token_id=0)) == 0
     assert default_mask_token_id(target(None, eos_token_id=[2, 7], pad_token_id=7)) == 99
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"block_size": "eight"}, "not a DFlash/DSpark drafter config"),
+    ({"target_layer_ids": 3}, "not a DFlash/DSpark drafter config"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be >= 1"),
+    ({"markov_head_type": "lstm"}, "markov_head_type"),
+    ({"draftsmith": None, "target_hidden_size": None}, "draftsmith import"),  # an engine's layout, not ours
+])
+def test_edited_configs_are_one_clear_error(tmp_path, edit, message):
+    path = _drafter("dspark").save(tmp_path / "d")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(edit)
+    for key in [k for k, v in edit.items() if v is None]:
+        cfg.pop(key)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DrafterError, match=message):
+        load_block_drafter(path)

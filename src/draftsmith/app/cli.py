@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
                    help=f"n-gram prompt-lookup drafting of K tokens (no drafter; the free baseline). {K_BOUND}")
     s.add_argument("--shape", choices=["auto"], default=None, help="auto: the chain, tree or hybrid (or plain) "
-                   "expected fastest here from measured verify costs and acceptance (cached); no --dtype: fp32 or "
-                   "bf16, the faster")
+                   "expected fastest here from measured verify costs and acceptance (cached); a block drafter: the "
+                   "block length; no --dtype: fp32 or bf16, the faster")
     s.add_argument("--block", type=int, default=None, metavar="K", help=BLOCK_HELP)
     p.add_argument("--hybrid", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="graft K prompt-lookup tokens (default 3) onto the --tree draft tree, verified in one pass")
@@ -241,8 +241,11 @@ def _bench(args, argv: list[str]) -> int:
                      max_new_tokens=args.max_new_tokens, prompt_lookup_ks=lookup_ks)
     if args.readme:
         check_readme(args.readme, args.readme_section)
+    if args.shape and len(set(temperatures)) > 1:
+        raise UsageError("--shape auto chooses for one temperature (acceptance depends on it): give one "
+                         f"--temperature, got {args.temperature}")
     kind = drafter_kind(args)
-    blocks = drafts_blocks(args, kind, ("--chain", "--tree", "--shape", "--hybrid"))
+    blocks = drafts_blocks(args, kind, ("--chain", "--tree", "--hybrid"))
     fixed = args.chain is not None or not (args.tree or args.shape or blocks)
     specs = [ChainSpec(args.chain if args.chain is not None else 3)] if fixed else []
     if args.tree:
@@ -254,9 +257,6 @@ def _bench(args, argv: list[str]) -> int:
         for n in given_min_ngrams or [1]:
             specs.append(HybridSpec.parse(args.tree, args.hybrid or (lookup_ks or [3])[0], n))
     if args.shape:
-        if len(set(temperatures)) > 1:
-            raise UsageError("--shape auto chooses for one temperature (acceptance depends on it): give one "
-                             f"--temperature, got {args.temperature}")
         target, drafter, choice, note = choose_for_drafting(
             args.target, lambda t: make_drafter(args, kind, t), args.drafter, args.device, args.dtype,
             parse_ints(args.aux_layers), args.max_new_tokens, temperature=temperatures[0])
@@ -320,10 +320,10 @@ def _decode(args) -> int:
     except UnicodeEncodeError:  # an argv byte that is not UTF-8 arrives as a lone surrogate
         raise UsageError("--prompt is not valid UTF-8 text (check the shell's or file's encoding)") from None
     spec = TreeSpec.parse(args.tree) if args.tree else ChainSpec(args.chain if args.chain is not None else 3)
-    if (args.chain is not None or args.tree or args.shape or args.block) and not (args.drafter or args.random_drafter):
-        raise UsageError("--chain/--tree/--shape/--block need --drafter PATH or --random-drafter")
+    if (args.chain is not None or args.tree or args.shape) and not (args.drafter or args.random_drafter):
+        raise UsageError("--chain/--tree/--shape need --drafter PATH or --random-drafter")
     kind = drafter_kind(args)
-    if drafts_blocks(args, kind, ("--chain", "--tree", "--shape", "--hybrid")):
+    if drafts_blocks(args, kind, ("--chain", "--tree", "--hybrid")):
         spec = BlockSpec(args.block)
     if args.prompt_lookup is not None:
         if args.drafter or args.random_drafter:

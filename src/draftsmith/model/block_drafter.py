@@ -78,8 +78,9 @@ class BlockDrafterConfig:
                        "(sample_from_anchor false; vLLM refuses it true)")
         if not 1 <= self.num_drafts <= MAX_BLOCK_SIZE or self.block_size > MAX_BLOCK_SIZE:
             out.append(f"block_size {self.block_size} leaves {self.num_drafts} drafts (1..{MAX_BLOCK_SIZE})")
-        if not self.target_layer_ids or len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            out.append(f"target_layer_ids {list(self.target_layer_ids)} must be distinct and not empty")
+        if not self.target_layer_ids or list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            out.append(f"target_layer_ids {list(self.target_layer_ids)} must be strictly increasing and not empty "
+                       "(engines concatenate the states in layer order)")
         if any(i < -1 for i in self.target_layer_ids):
             out.append(f"target_layer_ids {list(self.target_layer_ids)} go below -1 (the embedding output)")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
@@ -96,6 +97,14 @@ class BlockDrafterConfig:
     def num_drafts(self) -> int:
         """Draft tokens per block: every slot (anchor-first) or every slot after the anchor (fill-in)."""
         return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+    def shape_key(self) -> dict:
+        """The sizes a timing of this drafter depends on (keys of the measurement cache)."""
+        return {"kind": self.kind, "hidden": self.hidden_size, "inter": self.intermediate_size,
+                "layers": self.num_hidden_layers, "heads": self.num_attention_heads, "kv": self.num_key_value_heads,
+                "draft_vocab": self.draft_vocab_size, "aux": len(self.target_layer_ids),
+                "target_hidden": self.target_hidden_size, "markov": [self.markov_rank, self.markov_head_type],
+                "anchor_first": self.sample_from_anchor}
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -527,7 +536,8 @@ def load_block_drafter(path: str | Path, target=None, *, device=None, dtype: tor
     try:
         cfg = BlockDrafterConfig.from_config_dict(raw)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise DrafterError(f"{cfg_file}: not a DFlash/DSpark drafter config ({one_line(e)[:300]})") from e
+        hint = "" if "draftsmith" in raw else "; an engine's layout (z-lab, DeepSpec, speculators): `draftsmith import`"
+        raise DrafterError(f"{cfg_file}: not a DFlash/DSpark drafter config ({one_line(e)[:300]}){hint}") from e
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE}")

@@ -20,6 +20,17 @@ from draftsmith.model.block_drafter import MAX_BLOCK_SIZE, BlockCache, BlockDraf
 
 
 @dataclass(frozen=True)
+class SamplingLike:
+    """What drafting reads of ``decode.SamplingParams`` (greedy unless a temperature is given)."""
+
+    temperature: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
 class BlockSpec:
     """Drafts per block; None: all the drafter was trained to draft (``num_drafts``). ``kind`` names the drafter
     in reports (set by ``resolve_block_spec``)."""
@@ -66,7 +77,14 @@ def propose_block(drafter: BlockDrafter, cache: BlockCache, feats, positions: to
     pending token sits at the next position.
     """
     drafter.extend_context(feats, positions, cache)
-    hid = drafter.draft_hidden(pending, int(positions[0, -1]) + 1, k, cache)[0]
+    return draft_block(drafter, cache, pending, int(positions[0, -1]) + 1, k, sampling, generator)
+
+
+@torch.no_grad()
+def draft_block(drafter: BlockDrafter, cache: BlockCache, pending: int, position: int, k: int, sampling,
+                generator: torch.Generator | None) -> tuple[list[int], list[torch.Tensor]]:
+    """One block at ``position`` on the context already in ``cache`` (what a round's drafting costs)."""
+    hid = drafter.draft_hidden(pending, position, k, cache)[0]
     base = drafter.logits(hid)
     if drafter.markov_head is None and sampling.greedy:
         return drafter.to_target_ids(base.argmax(-1)).tolist(), []

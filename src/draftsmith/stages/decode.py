@@ -372,17 +372,12 @@ class SpeculativeDecoder:
         prompt = ids[0].tolist()
         while True:
             t = time.perf_counter()
+            pos = torch.arange(length - next_ids.shape[1], length, device=device)[None]  # fed since last round
             if drafter is None:  # prompt lookup
-                drafts = ngram_propose(prompt + result.token_ids, self.spec)
-                tree = _Tree(tokens=drafts, parents=list(range(len(drafts))),
-                             depths=list(range(1, len(drafts) + 1)), is_tree=False)
+                tree = _chain(ngram_propose(prompt + result.token_ids, self.spec))
+            elif blocks:
+                tree = _chain(*propose_block(drafter, dcache, feats, pos, pending, self.spec.k, sampling, generator))
             else:
-                pos = torch.arange(length - next_ids.shape[1], length, device=device)[None]
-            if blocks:
-                drafts, q = propose_block(drafter, dcache, feats, pos, pending, self.spec.k, sampling, generator)
-                tree = _Tree(tokens=drafts, parents=list(range(len(drafts))),
-                             depths=list(range(1, len(drafts) + 1)), q_probs=q, is_tree=False)
-            elif drafter is not None:
                 h = drafter(drafter.fuse(feats), next_ids, pos, dcache)[:, -1:]
                 if isinstance(self.spec, TreeSpec):
                     tree = self._draft_tree(h, length, dcache, self.spec)
@@ -439,8 +434,7 @@ class SpeculativeDecoder:
             if j + 1 < k:
                 pos = torch.tensor([[length + j]], device=h.device)
                 h = drafter(h, torch.tensor([[tok]], device=h.device), pos, dcache)
-        return _Tree(tokens=tokens, parents=list(range(k)), depths=list(range(1, k + 1)), q_probs=q_probs,
-                     is_tree=False)
+        return _chain(tokens, q_probs)
 
     def _draft_tree(self, h, length, dcache, spec: TreeSpec) -> _Tree:
         """EAGLE-2: expand the top_k best frontier nodes by their top_k children, keep the best overall."""
@@ -552,6 +546,12 @@ class _Tree:
     scores: list[float] = field(default_factory=list)
     q_probs: list[torch.Tensor] = field(default_factory=list)  # sampled chain drafts: q over target vocab
     lookup_only: frozenset[int] = frozenset()  # hybrid: grafted nodes the drafter did not propose
+
+
+def _chain(tokens: list[int], q_probs: list[torch.Tensor] = ()) -> _Tree:
+    """Drafts as a chain: node i's parent is node i-1 (``q_probs``: the sampled drafts' proposal distributions)."""
+    return _Tree(tokens=tokens, parents=list(range(len(tokens))), depths=list(range(1, len(tokens) + 1)),
+                 q_probs=list(q_probs), is_tree=False)
 
 
 def _graft(tree: _Tree, chain: list[int]) -> _Tree:

@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.core.machine import cache_get, cache_put, machine_key
 from draftsmith.model.target import Target
+from draftsmith.stages.block_decode import BlockSpec
 from draftsmith.stages.decode import (
     ChainSpec,
     HybridSpec,
@@ -158,7 +159,7 @@ def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
     """Expected tokens per verify pass (accepted + the bonus): 1 + sum_k prod_{i<=k} a_i for a chain."""
     if shape is None:
         return 1.0
-    if isinstance(shape, ChainSpec):
+    if isinstance(shape, ChainSpec | BlockSpec):  # a block is verified as a chain
         tau, run = 1.0, 1.0
         for d in range(shape.k):
             run *= acc.chain_rate(d)
@@ -171,7 +172,7 @@ def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
 
 def verified_tokens(shape: Shape) -> int:
     """Tokens in the largest verify pass (root incl.); a hybrid's lookup branch may share nodes with the tree."""
-    if isinstance(shape, ChainSpec):
+    if isinstance(shape, ChainSpec | BlockSpec):
         return shape.k + 1
     if isinstance(shape, HybridSpec):
         return shape.tree.total_tokens + shape.lookup.k
@@ -201,6 +202,8 @@ def shape_name(shape: Shape | None) -> str:
         return "plain"
     if isinstance(shape, ChainSpec):
         return f"chain {shape.k}"
+    if isinstance(shape, BlockSpec):
+        return f"{shape.kind} block {shape.k}"
     if isinstance(shape, HybridSpec):
         tree = shape_name(shape.tree).removeprefix("tree ")
         return f"hybrid {tree}+lookup {shape.lookup.k}{shape.lookup.ngram_label}"
@@ -213,7 +216,18 @@ def tree_of(shape: Shape | None) -> TreeSpec | None:
 
 
 def draft_depth(shape: Shape) -> int:
-    return shape.k if isinstance(shape, ChainSpec) else tree_of(shape).depth
+    return shape.k if isinstance(shape, ChainSpec | BlockSpec) else tree_of(shape).depth
+
+
+def drafts_blocks(drafter) -> bool:
+    from draftsmith.model.kinds import get_kind
+
+    return get_kind(drafter.kind).drafts_blocks
+
+
+def block_candidates(drafter) -> list[BlockSpec]:
+    """Every block length a block drafter can draft (1..what it was trained for)."""
+    return [BlockSpec(k, drafter.kind) for k in range(1, drafter.config.num_drafts + 1)]
 
 
 @dataclass(frozen=True)
@@ -247,7 +261,7 @@ def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[
     v = expected_verify_time(cost, best, acceptance) / cost.t_step
     dr = cost.t_draft(best) / cost.t_step
     others = []
-    for kind in (ChainSpec, TreeSpec, HybridSpec):
+    for kind in (ChainSpec, TreeSpec, HybridSpec, BlockSpec):
         rivals = [s for s in usable if isinstance(s, kind) and s != best]
         if rivals and not isinstance(best, kind):
             r = max(rivals, key=lambda s: table[shape_name(s)])
@@ -330,6 +344,54 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
     at = f" at T={temperature:g}" if temperature > 0 else ""
     return Acceptance(ranks, f"calibration on {len(prompts)} prompts{at}", *lookup.result(), by_min, rates,
                       temperature)
+
+
+@torch.no_grad()
+def calibrate_block_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int]],
+                               max_new_tokens: int = CALIBRATION_TOKENS, temperature: float = 0.0, seed: int = 0,
+                               anchors_per_pass: int = 64, **_) -> Acceptance:
+    """A block drafter's acceptance per draft position on the target's own continuations of ``prompts``.
+
+    Each prompt is decoded with the drafter (lossless: the target's tokens), then one training-layout pass puts a
+    block at every generated position. Greedy: draft d's rate counts only blocks whose drafts 1..d-1 all matched
+    (conditional, as the chain formula wants; DSpark's Markov head is fed the target's tokens, which is what it
+    sees when they were accepted). At temperature > 0: the mean of sum_x min(p(x), q(x)) at each draft position.
+    """
+    from draftsmith.data.chat import stop_token_ids
+
+    stops = stop_token_ids(target.tokenizer) if target.tokenizer is not None else ()
+    decoder = SpeculativeDecoder(target, drafter)
+    sampling = SamplingParams(temperature=temperature)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    draft_ids = drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=target.device))
+    k = drafter.config.num_drafts
+    hits, counts, mass, valid = torch.zeros(k), torch.zeros(k), torch.zeros(k), torch.zeros(k)
+    lookup = LookupReach()
+    for prompt in prompts:
+        gen = decoder.generate(list(prompt), max_new_tokens, sampling, eos_token_ids=stops,
+                               generator=generator).token_ids
+        lookup.add(list(prompt), gen)
+        seq = torch.tensor([list(prompt) + gen], device=target.device)
+        out = target(seq)
+        starts = torch.arange(len(prompt), seq.shape[1] - 1, device=seq.device)  # anchors: the generated tokens
+        for chunk in starts.split(anchors_per_pass):
+            res = drafter.forward_train(out.aux_hidden_states, seq, chunk[None])
+            pos, ok = res.positions[0], res.positions[0] >= 0  # [A, k]
+            match = (drafter.to_target_ids(res.logits[0].argmax(-1)) == seq[0, pos.clamp(min=0)]) & ok
+            before = torch.cat([torch.ones_like(match[:, :1]), match[:, :-1].long().cumprod(-1).bool()], -1) & ok
+            hits += (match & before).float().sum(0).cpu()
+            counts += before.float().sum(0).cpu()
+            valid += ok.float().sum(0).cpu()
+            if not sampling.greedy:  # the token at p is drawn from the target's logits at p - 1
+                p = logits_to_probs(out.logits[0, (pos - 1).clamp(min=0)], sampling)[..., draft_ids]
+                q = logits_to_probs(res.logits[0], sampling)
+                mass += (torch.minimum(p, q).sum(-1) * ok).sum(0).cpu()
+    rates = tuple(float(hits[d] / counts[d]) if counts[d] else 0.0 for d in range(k))
+    chain = () if sampling.greedy else tuple(float(mass[d] / valid[d]) if valid[d] else 0.0 for d in range(k))
+    by_min = {m: lookup.result(m) for m in HYBRID_MIN_NGRAMS if m > 1}
+    at = f" at T={temperature:g}" if temperature > 0 else ""
+    return Acceptance(tuple((r,) for r in rates), f"block calibration on {len(prompts)} prompts{at}",
+                      *lookup.result(), by_min, chain, temperature)
 
 
 @dataclass
@@ -417,7 +479,8 @@ def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, p
     hit = None if refresh or weights is None else cache_get("acceptance", key)
     if hit is not None:
         return Acceptance.from_dict(hit, ", cached"), True
-    acc = calibrate_acceptance(target, drafter, prompts, **calibrate)
+    calibrate_fn = calibrate_block_acceptance if drafts_blocks(drafter) else calibrate_acceptance
+    acc = calibrate_fn(target, drafter, prompts, **calibrate)
     if weights is not None:
         cache_put("acceptance", key, acc.to_dict())
     return acc, False
@@ -437,11 +500,14 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json.
 
     ``acceptance``: already known (the same drafter calibrated in another dtype): only the curve is measured.
+    A block drafter weighs its block lengths (``block_candidates``) instead of the EAGLE-3 shapes.
     """
+    if drafts_blocks(drafter) and candidates is DEFAULT_CANDIDATES:
+        candidates = block_candidates(drafter)
     max_depth = max(draft_depth(c) for c in candidates)
     trees = [tree_of(c) for c in candidates if tree_of(c) is not None]
     max_k = max((t.top_k for t in trees), default=1)
-    widths = sorted({1, *(t.top_k for t in trees)})
+    widths = sorted({1, *(t.top_k for t in trees), *(c.k for c in candidates if isinstance(c, BlockSpec))})
     ks = curve_ks(candidates)
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
     acc = acceptance

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.model.target import Target, cache_keep
+from draftsmith.stages.block_decode import BlockSpec
 from draftsmith.stages.decode import ChainSpec, HybridSpec, TreeSpec
 
 #: Verified tokens (root incl.) at which the verify curve is measured; others are interpolated. Dense where
 #: the candidates sit: packed GEMMs change kernels between sizes, so the curve is not smooth there.
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
-Shape = ChainSpec | TreeSpec | HybridSpec
+Shape = ChainSpec | TreeSpec | HybridSpec | BlockSpec
 
 
 # --- the cost model ----------------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ class VerifyCost:
 
     ``verify[n]``: a target pass over n tokens (root incl.) with a causal mask (chain verify); ``tree_verify``
     the same with a 4D tree mask (falls back to ``verify``); ``draft[w]``: one drafter step over w tokens
-    plus its head (w = 1 for a chain, top_k for a tree level).
+    plus its head (w = 1 for a chain, top_k for a tree level), or for a block drafter one block of w drafts.
     """
 
     t_step: float
@@ -62,6 +63,8 @@ class VerifyCost:
             return 0.0
         if isinstance(shape, HybridSpec):
             shape = shape.tree
+        if isinstance(shape, BlockSpec):
+            return _interp(self.draft, shape.k)
         if isinstance(shape, ChainSpec):
             return shape.k * _interp(self.draft, 1)
         return _interp(self.draft, 1) + (shape.depth - 1) * _interp(self.draft, shape.top_k)
@@ -127,7 +130,9 @@ def measure_verify_cost(target: Target, drafter=None, ks: Sequence[int] = DEFAUL
         jobs[("verify", n)] = verify(n, False)
         if n > 1:
             jobs[("tree_verify", n)] = verify(n, True)
-    if drafter is not None:
+    if drafter is not None and getattr(drafter.config, "num_drafts", None):
+        jobs.update(_block_draft_jobs(drafter, out.aux_hidden_states, ids, prefix, draft_widths))
+    elif drafter is not None:
         from draftsmith.model.drafter import KVCache
 
         dcache = KVCache()
@@ -163,6 +168,21 @@ def measure_verify_cost(target: Target, drafter=None, ks: Sequence[int] = DEFAUL
         part["tree_verify"].setdefault(1, part["verify"][1])
     part = {kind: _monotone(points) for kind, points in part.items()}
     return VerifyCost(part["verify"][min(part["verify"])], part["verify"], part["tree_verify"], part["draft"])
+
+
+def _block_draft_jobs(drafter, aux, ids: torch.Tensor, prefix: int, widths: Sequence[int]) -> dict:
+    """One greedy block of w drafts on a ``prefix``-position context, for each w (the context stays cached, as
+    in decoding, where a round only appends the few positions it verified)."""
+    from draftsmith.stages.block_decode import SamplingLike, draft_block, new_block_cache
+
+    cache = new_block_cache(drafter)
+    drafter.extend_context(aux, torch.arange(prefix, device=ids.device)[None], cache)
+    pending = int(ids[0, prefix])
+
+    def job(w: int) -> Callable[[], object]:
+        return lambda: draft_block(drafter, cache, pending, prefix, w, SamplingLike(), None)
+
+    return {("draft", w): job(w) for w in sorted({min(w, drafter.config.num_drafts) for w in (1, *widths)})}
 
 
 def _monotone(points: dict[int, float]) -> dict[int, float]:
