@@ -5,6 +5,18 @@ block drafters at blocks 1..their trained length; acceptance length counts the b
 
     python bench/block_vs_eagle3.py --target smollm2 --drafter runs/e3/best --drafter runs/dspark/best \
         --limit 8 --max-new-tokens 96
+
+Measured 2026-12-06 (2-core CPU shared with ~6 other jobs, load 10-13; both runs at once under nice 10, OMP 1
+thread; SmolLM2-135M, store: 199 ShareGPT first turns cut at 512 tokens, aux layers 2,15,27, draft vocab 4096;
+`train --batch-tokens 1024 --train-on all --lr 2e-3 --max-minutes 20`; this script with --limit 5
+--max-new-tokens 64, every row 5/5 equal to plain):
+    EAGLE-3 (--ttt-steps 2): 151 steps, held-out simulated tau 1.310; MT-bench tau chain 1/2/3: 1.237 1.276 1.282
+    DSpark (--draft-layers 1 --block-size 4 --markov-rank 64 --num-anchors 64): 251 steps, held-out 1.202;
+        MT-bench tau block 1/2/3/4: 1.127 1.188 1.205 1.200
+Both far from trained (the demo preset trains 800+ steps). At 8 minutes, DSpark's default shape (2 layers, block
+7, rank 256, 128 anchors, lr 1e-3) ran 27 steps (13 s/step under that load) to EAGLE-3's 62: held-out 1.090 vs
+1.207. One step on one 1,024-token batch, 1 thread, load ~2: EAGLE-3 TTT-2 0.62 s, DSpark default 2.8 s (24.1M
+trainable parameters, 12.6M of them the Markov head's embedding), DSpark small 0.8 s.
 """
 
 from __future__ import annotations
