@@ -144,16 +144,17 @@ def test_a_run_from_before_a_new_config_field_still_resumes():
     import dataclasses
     import hashlib
 
-    from draftsmith.stages.train.config import _RESUMABLE, config_hash
+    from draftsmith.stages.train.config import _RESUMABLE, BLOCK_FIELDS, config_hash
 
     cfg = TrainConfig(store="s")
     before = {k: v for k, v in dataclasses.asdict(cfg).items()
               if k not in _RESUMABLE and k not in ("teacher_temperature", "train_on", "norm_before_fc", "fc_norm",
-                                                   "norm_output", "norm_before_residual")}
+                                                   "norm_output", "norm_before_residual", "kind", *BLOCK_FIELDS)}
     hashed_before = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     assert config_hash(cfg) == hashed_before
     assert config_hash(dataclasses.replace(cfg, teacher_temperature=0.5)) != hashed_before
     assert config_hash(dataclasses.replace(cfg, train_on="all")) != hashed_before
+    assert config_hash(dataclasses.replace(cfg, kind="dspark")) != hashed_before
 
 
 def test_train_on_all_trains_prompt_columns_too_and_never_padding():
@@ -321,7 +322,9 @@ def test_measuring_autocast_leaves_the_run_as_it_was(workspace):
         return lambda b: teacher_targets(b, head, ids, drafter.t2d, None)
 
     rng = torch.get_rng_state()
-    seconds = precision.measure_autocast(drafter, source.load([0, 1]), make_teacher, ttt_steps=2, decay=0.8, reps=1)
+    from draftsmith.stages.train.kinds import TTTObjective
+
+    seconds = precision.measure_autocast(drafter, source.load([0, 1]), make_teacher, TTTObjective(2, 0.8), reps=1)
     assert set(seconds) == {"float32", "bf16"} and min(seconds.values()) > 0
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in drafter.parameters())
@@ -344,9 +347,9 @@ def test_resume_keeps_the_checkpoints_autocast_choice(workspace, tmp_path, monke
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(workspace, tmp_path, monkeypatch):
-    import draftsmith.stages.train.loop as loop_mod  # the module whose train_loop and evaluate call it
+    import draftsmith.stages.train.kinds as kinds_mod  # the module whose EAGLE-3 objective calls it
 
-    real = loop_mod.ttt_forward
+    real = kinds_mod.ttt_forward
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -354,7 +357,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(workspace, tmp_path, monk
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] > 4 else loss), stats
 
-    monkeypatch.setattr(loop_mod, "ttt_forward", poisoned)
+    monkeypatch.setattr(kinds_mod, "ttt_forward", poisoned)
     with pytest.raises(TrainError, match="loss is nan at step 5.*last good checkpoint"):
         train(_cfg(workspace, tmp_path / "n", eval_every=100))
     ckpts = sorted(p.name for p in (tmp_path / "n" / "checkpoints").glob("step-*"))

@@ -238,7 +238,7 @@ def add_train_parser(sub) -> None:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                            help=f"{text} (default {'on' if f.default else 'off'})")
         else:
-            kind = {"int": int, "float": finite_float}.get(str(f.type), str)
+            kind = {"int": int, "float": finite_float}.get(str(f.type).split(" |")[0], str)  # "int | None": int
             shown = "" if f.default is None else f" (default {f.default!r})"
             p.add_argument(flag, dest=name, type=kind, default=None, choices=f.metadata.get("choices"),
                            help=text + shown)

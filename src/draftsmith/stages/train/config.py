@@ -35,6 +35,19 @@ _TTT_WHY = ("acceptance decays geometrically with the draft position, so past a 
             "while each step costs a drafter forward and backward")
 _ACCUM_WHY = "an optimizer step over more micro-batches is a larger --batch-tokens"
 _COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KINDS = ("eagle3", "dflash", "dspark")
+BLOCK_KINDS = ("dflash", "dspark")
+# The block kinds' loss defaults: DeepSpec's recipe (its DFlash baseline: CE only).
+# The model's own fields (block size, layers, Markov head) default in model/block_drafter.py.
+BLOCK_DEFAULTS = {
+    "dflash": {"num_anchors": 512, "loss_decay_gamma": 4.0, "ce_weight": 1.0, "l1_weight": 0.0,
+               "confidence_weight": 0.0},
+    "dspark": {"num_anchors": 512, "loss_decay_gamma": 4.0, "ce_weight": 0.1, "l1_weight": 0.9,
+               "confidence_weight": 1.0},
+}
+BLOCK_FIELDS = ("block_size", "draft_layers", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",
+                "num_anchors", "loss_decay_gamma", "ce_weight", "l1_weight", "confidence_weight")
+DSPARK_ONLY = ("markov_rank", "markov_head_type", "confidence_weight")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -63,9 +76,9 @@ class TrainConfig:
                                       "state, not the raw one")
     norm_before_residual: bool = option(False, "the residual around the drafter's attention is hidden_norm(g), not g "
                                                "(speculators' default)")
-    ttt_steps: int = option(7, "training-time-test steps: draft positions trained per sample, each fed the "
+    ttt_steps: int = option(7, "eagle3: training-time-test steps: draft positions trained per sample, each fed the "
                                "drafter's own previous output", lo=1, hi=64, why=_TTT_WHY)
-    step_decay: float = option(0.8, "loss weight of TTT step k is step_decay**k", lo=0, hi=1, lo_open=True)
+    step_decay: float = option(0.8, "eagle3: loss weight of TTT step k is step_decay**k", lo=0, hi=1, lo_open=True)
     teacher_temperature: float = option(1.0, "temperature of the target's soft labels (0: one-hot labels; 1 "
                                              "measured best)", lo=0)
     train_on: str = option("answers", "positions that train: answers (assistant tokens, what decoding drafts) or "
@@ -104,6 +117,39 @@ class TrainConfig:
                                lo=0)
     plot: bool = option(True, "write loss and acceptance plots")
     progress: bool = option(True, "show a progress bar")
+    # --- the drafter kind (docs: block drafters). The block kinds' options default to None, "the kind's default"
+    # (BLOCK_DEFAULTS), so that a block option given to an eagle3 run is refused instead of ignored.
+    kind: str = option("eagle3", "drafter kind: eagle3 (one token per drafter pass, trained with TTT), dflash or "
+                                 "dspark (a block of tokens per pass, trained on random anchors)", choices=KINDS)
+    block_size: int | None = option(None, "dflash/dspark: query slots per block: the anchor (the last known token) "
+                                           "and block_size - 1 mask tokens; dflash drafts block_size - 1 tokens, "
+                                           "dspark block_size (default 8 dflash, 7 dspark)", lo=2, hi=64,
+                                    why="every slot costs drafter compute in every layer and acceptance decays "
+                                        "with the slot")
+    draft_layers: int | None = option(None, "dflash/dspark: decoder layers of a new drafter (default 2)", lo=1,
+                                      hi=64)
+    target_layer_ids: str | None = option(None, "dflash/dspark: comma-separated target layers the drafter reads, "
+                                                "numbered as DFlash and DeepSpec do: id i = the output of layer i "
+                                                "(capture's --aux-layers i+1; -1: the embeddings); default: the "
+                                                "store's layers offline, 5 spread over layers 1..N-3 online")
+    mask_token_id: int | None = option(None, "dflash/dspark: the token id that fills a block's draft slots "
+                                             "(default: the model's choice)", lo=0)
+    markov_rank: int | None = option(None, "dspark: rank of the Markov head (previous token -> logit bias; "
+                                           "default 256; 0: none)", lo=0)
+    markov_head_type: str | None = option(None, "dspark: vanilla (bias from the previous token; what vLLM and "
+                                                "llama.cpp read), gated or rnn (DeepSpec's; default vanilla)",
+                                          choices=("vanilla", "gated", "rnn"))
+    num_anchors: int | None = option(None, "dflash/dspark: blocks trained per sample, at random answer positions "
+                                           "(default 512; fewer where a sample has fewer)", lo=1)
+    loss_decay_gamma: float | None = option(None, "dflash/dspark: the loss weight of the k-th drafted slot is "
+                                                  "exp(-k / gamma) (default 4)", lo=0, lo_open=True)
+    ce_weight: float | None = option(None, "dflash/dspark: weight of the cross-entropy to the target's choice "
+                                           "(default 1 dflash, 0.1 dspark)", lo=0)
+    l1_weight: float | None = option(None, "dflash/dspark: weight of the L1 distance between the drafter's and the "
+                                           "target's probabilities, 2x their total variation (default 0 dflash, "
+                                           "0.9 dspark)", lo=0)
+    confidence_weight: float | None = option(None, "dspark: weight of the confidence head's loss (BCE to each "
+                                                   "slot's acceptance probability; default 1; 0: no head)", lo=0)
 
     @classmethod
     def fields(cls) -> dict[str, dataclasses.Field]:
@@ -116,6 +162,16 @@ class TrainConfig:
         if (self.store is None) == (self.conversations is None):
             raise TrainError("give exactly one data source: store (offline) or conversations (online)")
         _check_norms(self)
+        _check_kind(self)
+
+    def block_option(self, name: str):
+        """A block kind's option: its value, else the kind's default."""
+        value = getattr(self, name)
+        return BLOCK_DEFAULTS[self.kind].get(name) if value is None else value
+
+    def layer_ids(self) -> tuple[int, ...] | None:
+        """``target_layer_ids`` as ints (None: not given)."""
+        return None if self.target_layer_ids is None else parse_layer_ids(self.target_layer_ids)
 
 
 def _flag(name: str) -> str:
@@ -168,6 +224,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             raise FileNotFoundError(f"{path}: no such config file")
         values = _read_config_file(p)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if isinstance(values.get("target_layer_ids"), list):  # a TOML/YAML list of ids
+        values["target_layer_ids"] = ",".join(str(x) for x in values["target_layer_ids"])
     known = TrainConfig.fields()
     for key in values:
         if key not in known:
@@ -196,6 +254,39 @@ def _check_norms(cfg: TrainConfig) -> None:
                          "these options shape a new drafter")
 
 
+def parse_layer_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        ids = ()
+    if not ids or any(i < -1 for i in ids):
+        raise TrainError(f"--target-layer-ids (target_layer_ids) takes comma-separated layer ids >= -1, not {text!r}")
+    if len(set(ids)) != len(ids):
+        raise TrainError(f"--target-layer-ids (target_layer_ids) {text!r} names a layer twice")
+    return ids
+
+
+def _check_kind(cfg: TrainConfig) -> None:
+    """Options of another kind are refused, not ignored: a flag that does nothing is a silent mistake."""
+    given = [k for k in BLOCK_FIELDS if getattr(cfg, k) is not None]
+    if cfg.kind == "eagle3" and given:
+        raise TrainError(f"{', '.join(_flag(k) for k in given)}: dflash/dspark option(s); this run trains "
+                         "--kind eagle3 (add --kind dflash or --kind dspark)")
+    if cfg.kind == "dflash":
+        dspark = [k for k in DSPARK_ONLY if getattr(cfg, k) not in (None, 0, 0.0)]
+        if dspark:
+            raise TrainError(f"{', '.join(_flag(k) for k in dspark)}: dspark option(s) (a Markov or confidence head); "
+                             "this run trains --kind dflash")
+    if cfg.kind in BLOCK_KINDS:
+        cfg.layer_ids()
+        norms = [k for k in NORM_FIELDS if getattr(cfg, k)]
+        if norms:
+            raise TrainError(f"{', '.join(_flag(k) for k in norms)}: EAGLE-3.1 option(s); this run trains --kind "
+                             f"{cfg.kind}")
+        if cfg.block_option("ce_weight") + cfg.block_option("l1_weight") <= 0:
+            raise TrainError("--ce-weight and --l1-weight are both 0: nothing would train the drafter's tokens")
+
+
 def _read_config_file(p: Path) -> dict:
     """A TOML or YAML (safe_load: tags that build objects are refused) file's table, its [train] section if any."""
     try:
@@ -217,7 +308,8 @@ def _read_config_file(p: Path) -> dict:
 
 # Fields added after runs existed: hashed only off their default, so those runs still resume.
 _ADDED_LATER = {"teacher_temperature": 1.0, "train_on": "answers", "norm_before_fc": False, "fc_norm": False,
-                "norm_output": False, "norm_before_residual": False}
+                "norm_output": False, "norm_before_residual": False, "kind": "eagle3",
+                **{k: None for k in BLOCK_FIELDS}}
 
 
 def config_hash(cfg: TrainConfig) -> str:

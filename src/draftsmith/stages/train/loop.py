@@ -24,13 +24,13 @@ from draftsmith.model.ttt import (
     simulated_acceptance_length,
     target_argmax,
     teacher_targets,
-    ttt_forward,
 )
 from draftsmith.stages.train.budget import MIN_TIMED_STEPS, Timing, plan_steps
 from draftsmith.stages.train.budget import describe as describe_plan
 from draftsmith.stages.train.checkpoints import save_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import TrainConfig, TrainError
 from draftsmith.stages.train.data import OnlineSource, StoreSource, every_position, make_batches
+from draftsmith.stages.train.kinds import Objective, objective_for
 from draftsmith.stages.train.logs import MetricsLog
 
 
@@ -103,16 +103,22 @@ class Teacher:
 
 @torch.no_grad()
 def evaluate(drafter: Eagle3Drafter, source, indices: list[int], cfg: TrainConfig, teacher, device,
-             autocast: bool = False) -> dict:
+             autocast: bool = False, objective=None) -> dict:
+    """The held-out loss and per-position acceptance; ``simulated_tau`` counts the bonus token.
+
+    What the objective draws at random (a block kind's anchors) comes from a generator seeded per batch, so
+    every evaluation scores the same positions and the training RNG is left as it was."""
+    objective = objective or objective_for(cfg, drafter)
     drafter.eval()
     # Sized up front: a rank with no held-out batch still reduces a tensor of the same length.
-    total = TTTStats(correct=[0.0] * cfg.ttt_steps, total=[0.0] * cfg.ttt_steps)
+    total = TTTStats(correct=[0.0] * objective.positions, total=[0.0] * objective.positions)
     rank, world = dist_info()
     # Each rank scores its share of the held-out batches; the sums are reduced below.
-    for batch_idx in make_batches(indices, source.lengths, cfg.batch_tokens, seed=0)[rank::world]:
-        batch = source.load(batch_idx).to(device)
+    batches = make_batches(indices, source.lengths, cfg.batch_tokens, seed=0)
+    for i in range(rank, len(batches), world):
+        batch = source.load(batches[i]).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            _, s = ttt_forward(drafter, batch, teacher(batch), cfg.ttt_steps, cfg.step_decay)
+            _, s = objective(drafter, batch, teacher(batch), torch.Generator().manual_seed(i))
         total.add(s)
     if world > 1:
         t = torch.tensor([total.loss, *total.correct, *total.total], dtype=torch.float64)
@@ -141,6 +147,7 @@ class Run:
     step_ceiling: int  # max_steps, or the steps `epochs` give
     drafter: Eagle3Drafter
     teacher: Teacher
+    objective: Objective  # kinds.objective_for: the kind's loss and per-position statistics
     params: list[torch.nn.Parameter]
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
@@ -240,7 +247,7 @@ def train_loop(run: Run) -> dict:
                 if cfg.train_on == "all":
                     batch = every_position(batch)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
-                    loss, s = ttt_forward(drafter, batch, run.teacher(batch), cfg.ttt_steps, cfg.step_decay)
+                    loss, s = run.objective(drafter, batch, run.teacher(batch))
                 if not torch.isfinite(loss):
                     raise TrainError(f"loss is {float(loss.detach())} at step {state['step'] + 1}: stopped; the last "
                                      f"good checkpoint is in {out / 'checkpoints'} (try a lower lr)")
@@ -272,7 +279,8 @@ def train_loop(run: Run) -> dict:
                 bar.update(1)
             if run.eval_idx and (step % cfg.eval_every == 0 or step == run.total_steps):
                 t_eval, argmax_before = time.perf_counter(), run.teacher.argmax_s
-                last_eval = evaluate(drafter, run.source, run.eval_idx, cfg, run.teacher, device, run.autocast)
+                last_eval = evaluate(drafter, run.source, run.eval_idx, cfg, run.teacher, device, run.autocast,
+                                     run.objective)
                 # without its first visits' argmax, which the teacher's own count holds
                 eval_s += time.perf_counter() - t_eval - (run.teacher.argmax_s - argmax_before)
                 evals += 1

@@ -15,7 +15,7 @@ import torch
 
 from draftsmith.core.machine import cache_get, cache_put, machine_key
 from draftsmith.model.target import bf16_native
-from draftsmith.model.ttt import TTTBatch, ttt_forward
+from draftsmith.model.ttt import TTTBatch
 
 
 def fixed_autocast(setting: str, device: torch.device) -> bool | None:
@@ -27,8 +27,8 @@ def fixed_autocast(setting: str, device: torch.device) -> bool | None:
     return None if device.type == "cpu" else False
 
 
-def measure_autocast(drafter, batch: TTTBatch, make_teacher: Callable[[bool], object], ttt_steps: int,
-                     decay: float, reps: int = 2) -> dict[str, float]:
+def measure_autocast(drafter, batch: TTTBatch, make_teacher: Callable[[bool], object], objective,
+                     reps: int = 2) -> dict[str, float]:
     """Seconds of one forward+backward on ``batch`` in fp32 and under bf16 autocast (min over reps).
 
     Gradients are cleared afterwards and the RNG state is restored, so the run that follows is the run
@@ -42,7 +42,7 @@ def measure_autocast(drafter, batch: TTTBatch, make_teacher: Callable[[bool], ob
             for bf16 in (False, True):
                 t0 = time.perf_counter()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss, _ = ttt_forward(drafter, batch, teachers[bf16](batch), ttt_steps, decay)
+                    loss, _ = objective(drafter, batch, teachers[bf16](batch))
                 loss.backward()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -59,7 +59,7 @@ def choose_autocast(setting: str, device: torch.device, drafter, batch_tokens: i
     if fixed is not None:
         return fixed
     key = {"machine": machine_key(device), "batch_tokens": batch_tokens, "ttt_steps": ttt_steps,
-           "drafter": drafter.config.shape_key()}
+           "drafter": _shape_key(drafter)}
     hit = cache_get("train-autocast", key)
     if hit is None:
         hit = probe()
@@ -68,3 +68,14 @@ def choose_autocast(setting: str, device: torch.device, drafter, batch_tokens: i
     log(f"autocast {'bf16' if on else 'off'}: a training step took {hit['float32']:.2f} s in float32, "
         f"{hit['bf16']:.2f} s under bf16 autocast")
     return on
+
+
+def _shape_key(drafter) -> dict:
+    """What decides a drafter's step cost: its config's shape key, or (a block drafter) its config less the
+    target's fingerprint."""
+    key = getattr(drafter.config, "shape_key", None)
+    if key is not None:
+        return key()
+    import dataclasses
+
+    return {k: v for k, v in dataclasses.asdict(drafter.config).items() if k != "target"}

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import default_aux_layers
-from draftsmith.model.drafter import Eagle3Drafter, init_head_from_target, load_drafter, new_drafter
+from draftsmith.model.drafter import Eagle3Drafter, new_drafter
 from draftsmith.stages.train.checkpoints import load_checkpoint, newest_checkpoint, save_drafter_atomic
 from draftsmith.stages.train.config import NORM_FIELDS, TrainConfig, TrainError, config_hash
 from draftsmith.stages.train.data import OnlineSource, StoreSource, first_samples, make_batches, split_eval
+from draftsmith.stages.train.kinds import block_overrides, check_drafter_layers, init_head, objective_for
 from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
 from draftsmith.stages.train.loop import (
     Run,
@@ -128,7 +129,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     torch.manual_seed(cfg.seed)
 
     source, heads, aux_layers, dv = _setup_source(cfg, device, dtype, compute_dtype)
-    drafter = _setup_drafter(cfg, heads, dv, aux_layers, device, compute_dtype)
+    drafter = _setup_drafter(cfg, heads, dv, aux_layers, device, compute_dtype, getattr(source, "target", None))
+    objective = objective_for(cfg, drafter)
     train_idx, eval_idx = split_eval(source.ids, cfg.eval_fraction)
     train_idx = first_samples(source.ids, train_idx, cfg.train_samples)
     step_ceiling = _total_steps(cfg, train_idx, source.lengths, world)
@@ -136,7 +138,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
     state = _setup_state(cfg, out, drafter, opt, sched, world)
     total_steps = int(state.get("planned_steps", step_ceiling))  # a time budget's plan (its schedule is restored)
     started -= state.get("elapsed_s", 0.0)  # a resumed run's budget counts the time its checkpoint already spent
-    autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world)
+    autocast = _setup_autocast(cfg, device, drafter, heads, source, train_idx, state, compute_dtype, rank, world,
+                               objective)
     teacher = _setup_teacher(drafter, heads, device, autocast, compute_dtype, cfg.teacher_temperature)
     log = MetricsLog(out, rank)
     if rank == 0:
@@ -148,7 +151,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
 
     bar = progress_bar(cfg, rank, total_steps, state["step"])
     last_eval = train_loop(Run(cfg, out, device, autocast, rank, world, source, train_idx, eval_idx, total_steps,
-                               step_ceiling, drafter, teacher, params, opt, sched, state, log, bar, started))
+                               step_ceiling, drafter, teacher, objective, params, opt, sched, state, log, bar,
+                               started))
     if bar is not None:
         bar.close()
     if rank == 0:
@@ -238,10 +242,14 @@ def _vocab_from_items(source: OnlineSource, vocab_size: int, draft_vocab_size: i
     return dv
 
 
-def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
-    """``cfg.init_drafter`` bound to the target's embedding, or a fresh drafter sized from the target's config."""
+def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype, target=None) -> Eagle3Drafter:
+    """``cfg.init_drafter`` bound to the target's embedding, or a fresh drafter of ``cfg.kind`` sized from the
+    target's config. ``target``: the loaded target (online), whose aux layers a block drafter points at its own."""
+    from draftsmith.model.kinds import get_kind
+
     if cfg.init_drafter:
-        drafter = load_drafter(cfg.init_drafter, device=device, dtype=dtype)
+        drafter = get_kind(cfg.kind).load(cfg.init_drafter, device=device, dtype=dtype)
+        check_drafter_layers(cfg, drafter, aux_layers, target)
         drafter.bind_embeddings(heads.embed_tokens)
         return drafter.train()
 
@@ -251,15 +259,20 @@ def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype) -> Eagle3Drafter:
 
     n_layers = int(heads.config.num_hidden_layers)
     fingerprint = target_fingerprint(heads.config)
-    # The few attributes DrafterConfig.from_target and new_drafter read; the full target need not be loaded.
-    like_target = SimpleNamespace(
+    # The few attributes the drafters' from_target and new_* read; the full target need not be loaded.
+    like_target = target or SimpleNamespace(
         config=heads.config, vocab_size=heads.vocab_size, hidden_size=heads.hidden_size,
         embed_tokens=heads.embed_tokens, aux_layers=aux_layers or default_aux_layers(n_layers),
-        device=torch.device(device), dtype=dtype, fingerprint=lambda: fingerprint)
-    norms = {k: getattr(cfg, k) for k in NORM_FIELDS}  # EAGLE-3.1 switches (all off: EAGLE-3)
-    drafter = new_drafter(like_target, draft_vocab=dv, seed=cfg.seed, **norms)
+        device=torch.device(device), dtype=dtype, fingerprint=lambda: fingerprint, num_layers=n_layers,
+        name=cfg.target, tokenizer=None, set_aux_hidden_state_layers=lambda layers: None)
+    if cfg.kind == "eagle3":
+        norms = {k: getattr(cfg, k) for k in NORM_FIELDS}  # EAGLE-3.1 switches (all off: EAGLE-3)
+        drafter = new_drafter(like_target, draft_vocab=dv, seed=cfg.seed, **norms)
+    else:
+        overrides = block_overrides(cfg, (aux_layers or None) if target is None else None)
+        drafter = get_kind(cfg.kind).new(like_target, draft_vocab=dv, seed=cfg.seed, **overrides)
     if cfg.init_head:
-        init_head_from_target(drafter, heads.lm_head_weight, heads.final_norm_weight)
+        init_head(drafter, heads.lm_head_weight, heads.final_norm_weight)
     return drafter.to(device=device, dtype=dtype).train()
 
 
@@ -310,7 +323,7 @@ class WarmupCosine:
 
 
 def _setup_autocast(cfg: TrainConfig, device: torch.device, drafter, heads, source, train_idx: list[int],
-                    state: dict, compute_dtype: torch.dtype, rank: int, world: int) -> bool:
+                    state: dict, compute_dtype: torch.dtype, rank: int, world: int, objective) -> bool:
     """bf16 autocast or not: the checkpoint's choice on resume, else fixed or measured (``precision``).
 
     Under torchrun every rank takes rank 0's answer, so all ranks compute alike.
@@ -322,14 +335,13 @@ def _setup_autocast(cfg: TrainConfig, device: torch.device, drafter, heads, sour
         first = make_batches(train_idx, source.lengths, cfg.batch_tokens, cfg.seed)[0]
         batch = source.load(first).to(device)
         return measure_autocast(drafter, batch, lambda bf16: _setup_teacher(drafter, heads, device, bf16,
-                                                                             compute_dtype),
-                                cfg.ttt_steps, cfg.step_decay)
+                                                                             compute_dtype), objective)
 
     def log(line: str) -> None:
         if rank == 0:
             print(f"train: {line}", file=sys.stderr, flush=True)
 
-    on = choose_autocast(cfg.autocast, device, drafter, cfg.batch_tokens, cfg.ttt_steps, probe, log)
+    on = choose_autocast(cfg.autocast, device, drafter, cfg.batch_tokens, objective.positions, probe, log)
     if world > 1:
         flag = torch.tensor([int(on)], device=device if device.type == "cuda" else "cpu")
         dist.broadcast(flag, src=0)
