@@ -1,23 +1,26 @@
-"""Training-step throughput of this tree against another git ref, side by side on the same machine.
+"""Training-step throughput with this tree's optimizer against the plain AdamW, side by side in one process.
 
-    python bench/bench_train_speed.py --base main [--preset default|full] [--rounds 5] [--steps 6]
+    python bench/bench_train_speed.py [--preset default|full] [--steps 12] [--threads 2]
 
-Each round runs one worker process per tree, interleaved (base, this, base, this, ...), so that load from other
-processes on a shared machine hits both alike; each worker imports its own tree's draftsmith (``git archive`` of
-``--base`` into a temporary folder) and times ``--steps`` optimizer steps after warm-up. A step is what the
-trainer's loop does per micro-batch: the teacher's targets (full-vocabulary argmax cached, as after the first
-epoch), the TTT forward and backward under the autocast the trainer would choose, gradient clipping and the
-optimizer step built by ``run._setup_optimizer``. Shapes are the preset's drafter on the default target
-(SmolLM2-135M: width 576, 9 heads, 3 KV heads, MLP 1,536, vocabulary 49,152) with the preset's draft vocabulary,
-batch tokens, TTT steps and 1,024-token cut; the samples are random features with seeded lengths (log-normal,
-median ~330 tokens, every position trained as with ``train_on = all``): the cost of a step depends on the
-shapes, not the values. Reports tokens/s per round, the per-round ratio, and its min/median/max.
+On a machine shared with other work, separate runs minutes apart see different loads (on 2 cores shared by six
+processes, one run's tokens/s varied 10x); so one process holds two drafters with the same initial weights and
+alternates single steps between them: A, B, A, B, ... Each step is what the trainer's loop does per micro-batch:
+the teacher's targets (full-vocabulary argmax cached, as after the first epoch), the TTT forward and backward under
+the autocast the trainer would choose, gradient clipping, the optimizer step. A is the plain
+``torch.optim.AdamW`` the trainer used before (``foreach``/``fused`` unset: a Python loop of eight passes per
+tensor on CPU); B is the optimizer ``run._setup_optimizer`` builds now (fused where torch has it). Everything else
+is the same code. Shapes are the preset's drafter on the default target (SmolLM2-135M: width 576, 9 heads, 3 KV
+heads, MLP 1,536, vocabulary 49,152) with the preset's draft vocabulary, batch tokens, TTT steps and 1,024-token
+cut; samples are random features with seeded lengths (log-normal, median ~330 tokens, every position trained as
+with ``train_on = all``): a step's cost depends on the shapes, not the values. Reports tokens/s of each (total
+tokens over the sum of step times), and the per-pair ratio's min/median/max.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import platform
@@ -25,7 +28,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +38,7 @@ PRESETS = {"default": {"draft_vocab": 4096, "batch_tokens": 1024, "ttt_steps": 2
 
 
 def worker(args) -> None:
-    """One tree's timing (runs in a subprocess whose PYTHONPATH points at that tree)."""
+    """Both optimizers, alternating steps, in this process (started by main with this tree on PYTHONPATH)."""
     import torch
 
     from draftsmith.core import vocab as vocab_mod
@@ -69,30 +71,41 @@ def worker(args) -> None:
                for n in lengths]
     batches = make_batches(list(range(len(lengths))), lengths, p["batch_tokens"], 0)
     opt_cfg = SimpleNamespace(lr=p["lr"], weight_decay=0.0, warmup_steps=10, min_lr_ratio=0.1)
-    params, opt, sched = _setup_optimizer(opt_cfg, drafter, 1000, 1)
+    twin = copy.deepcopy(drafter)
+    twin.bind_embeddings(embed)
+    params_a = [q for q in drafter.parameters() if q.requires_grad]
+    runs = {"plain_adamw": (drafter, params_a, torch.optim.AdamW(params_a, lr=p["lr"], betas=(0.9, 0.95)))}
+    params_b, opt_b, _ = _setup_optimizer(opt_cfg, twin, 1000, 1)
+    runs["this"] = (twin, params_b, opt_b)
 
-    def step(i: int) -> int:
+    def step(name: str, i: int) -> tuple[int, float]:
+        model, params, opt = runs[name]
+        t0 = time.perf_counter()
         idx = batches[i % len(batches)]
         batch = every_position(collate([samples[j] for j in idx], 1024, torch.bfloat16))
         batch.indices = idx
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss, _ = ttt_forward(drafter, batch, teacher(batch), p["ttt_steps"], 0.8)
+            loss, _ = ttt_forward(model, batch, teacher(batch), p["ttt_steps"], 0.8)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
-        return batch.num_tokens
+        return batch.num_tokens, time.perf_counter() - t0
 
-    n = args.steps
-    for i in range(n):  # warm-up: caches every timed batch's argmax, as after the trainer's first epoch
-        step(i)
-    t0, tokens = time.perf_counter(), 0
-    for i in range(n):
-        tokens += step(i)
-    seconds = time.perf_counter() - t0
-    print(json.dumps({"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-                      "autocast": autocast, "fused_adamw": bool(opt.defaults.get("fused"))}))
+    for i in range(min(args.steps, len(batches))):  # warm-up: every timed batch's argmax cached
+        step("plain_adamw", i)
+        step("this", i)
+    timed: dict[str, list[tuple[int, float]]] = {"plain_adamw": [], "this": []}
+    for i in range(args.steps):
+        order = ("plain_adamw", "this") if i % 2 == 0 else ("this", "plain_adamw")
+        for name in order:
+            timed[name].append(step(name, i))
+    out = {name: {"tokens_per_s": sum(n for n, _ in rows) / sum(t for _, t in rows),
+                  "step_s": [round(t, 4) for _, t in rows], "tokens": [n for n, _ in rows]}
+           for name, rows in timed.items()}
+    out["autocast"] = autocast
+    out["fused_adamw"] = bool(opt_b.defaults.get("fused"))
+    print(json.dumps(out))
 
 
 def cpu_kind() -> str:
@@ -114,10 +127,8 @@ def cpu_kind() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", default="main", help="git ref to compare against (default main)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per worker (as many untimed before)")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps of each (after one warm-up pass)")
     ap.add_argument("--samples", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--autocast", choices=("auto", "bf16", "fp32"), default="auto")
@@ -127,42 +138,25 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.base, "src"], capture_output=True,
-                                 check=False)
-        if archive.returncode != 0:
-            print(f"bench_train_speed: git archive {args.base} failed: {archive.stderr.decode().strip()}",
-                  file=sys.stderr)
-            return 2
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        trees = {"base": Path(tmp) / "src", "this": ROOT / "src"}
-        cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--steps", str(args.steps),
-               "--samples", str(args.samples), "--threads", str(args.threads), "--autocast", args.autocast]
-        rounds = []
-        for r in range(args.rounds):
-            row = {}
-            for name, src in trees.items():
-                env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(args.threads)}
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-                if done.returncode != 0:
-                    print(done.stderr, file=sys.stderr)
-                    return 1
-                row[name] = json.loads(done.stdout.strip().splitlines()[-1])
-            row["ratio"] = row["this"]["tokens_per_s"] / row["base"]["tokens_per_s"]
-            rounds.append(row)
-            print(f"round {r + 1}: base {row['base']['tokens_per_s']:.0f} tok/s, this "
-                  f"{row['this']['tokens_per_s']:.0f} tok/s, ratio {row['ratio']:.2f}", flush=True)
-    ratios = [r["ratio"] for r in rounds]
-    result = {"preset": args.preset, "base": args.base, "cpu": cpu_kind(), "threads": args.threads,
-              "load_average": os.getloadavg(), "steps": args.steps, "rounds": rounds,
-              "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
-              "base_tokens_per_s_max": max(r["base"]["tokens_per_s"] for r in rounds),
-              "this_tokens_per_s_max": max(r["this"]["tokens_per_s"] for r in rounds)}
-    print(f"{result['cpu']}; {args.preset} preset, {args.threads} threads, "
-          f"load average {result['load_average'][0]:.1f}")
-    print(f"ratio this/base over {len(ratios)} rounds: min {result['ratio_min']:.2f}, median "
-          f"{result['ratio_median']:.2f}, max {result['ratio_max']:.2f}; best tok/s base "
-          f"{result['base_tokens_per_s_max']:.0f}, this {result['this_tokens_per_s_max']:.0f}")
+    cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--steps", str(args.steps),
+           "--samples", str(args.samples), "--threads", str(args.threads), "--autocast", args.autocast]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        print(done.stderr, file=sys.stderr)
+        return 1
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    a, b = res["plain_adamw"], res["this"]
+    ratios = [ta / tb for ta, tb in zip(a["step_s"], b["step_s"], strict=True)]  # same batch, adjacent in time
+    result = {"preset": args.preset, "cpu": cpu_kind(), "threads": args.threads, "load_average": os.getloadavg(),
+              "steps": args.steps, "autocast": res["autocast"], "fused_adamw": res["fused_adamw"],
+              "plain_adamw": a, "this": b, "ratio_tokens_per_s": b["tokens_per_s"] / a["tokens_per_s"],
+              "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios)}
+    print(f"{result['cpu']}; {args.preset} preset, {args.threads} threads, autocast "
+          f"{'bf16' if res['autocast'] else 'off'}, load average {result['load_average'][0]:.1f}")
+    print(f"plain AdamW {a['tokens_per_s']:.0f} tok/s, this tree {b['tokens_per_s']:.0f} tok/s: "
+          f"{result['ratio_tokens_per_s']:.2f}x; per-step ratio over {len(ratios)} pairs: min "
+          f"{result['ratio_min']:.2f}, median {result['ratio_median']:.2f}, max {result['ratio_max']:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
