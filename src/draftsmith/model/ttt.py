@@ -113,7 +113,9 @@ def teacher_targets(batch: TTTBatch, lm_head_weight: torch.Tensor, target_ids: t
         if softcap:
             draft = torch.tanh(draft / softcap) * softcap
         draft = draft.float()
-        if temperature > 0:
+        if temperature == 1.0:  # the common case: no division pass over [chunk, Vd]
+            probs.append(draft.softmax(-1))
+        elif temperature > 0:
             probs.append((draft / temperature).softmax(-1))
         else:
             probs.append(torch.zeros_like(draft).scatter_(-1, draft.argmax(-1, keepdim=True), 1.0))
