@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from draftsmith.app.args import parse_ints
-from draftsmith.core.conventions import aux_to_block_layer_ids
+from draftsmith.core.conventions import DRAFTER_KINDS, aux_to_block_layer_ids
 from draftsmith.core.errors import UsageError
-from draftsmith.model.kinds import KIND_NAMES, get_kind, kind_of_dir
 
 BLOCK_HELP = "DFlash/DSpark: draft K tokens a block (default: as many as the drafter was trained for)"
 
 
 def add_kind_args(p) -> None:
-    p.add_argument("--kind", choices=KIND_NAMES, default=None,
+    p.add_argument("--kind", choices=DRAFTER_KINDS, default=None,
                    help="drafter kind for --random-drafter (default eagle3); with --drafter it must match the saved "
                         "drafter's own kind, which is read from its config.json")
 
@@ -23,6 +22,8 @@ def drafter_kind(args) -> str | None:
             raise UsageError("--kind needs --drafter PATH or --random-drafter")
         return None
     if args.drafter:
+        from draftsmith.model.kinds import kind_of_dir
+
         kind = kind_of_dir(args.drafter)
         if args.kind and args.kind != kind:
             raise UsageError(f"--kind {args.kind}, but {args.drafter} holds a {kind} drafter")
@@ -32,6 +33,8 @@ def drafter_kind(args) -> str | None:
 
 def drafts_blocks(args, kind: str | None, shape_flags: tuple[str, ...]) -> bool:
     """Whether the run drafts blocks; refuses the flags of the other family."""
+    from draftsmith.model.kinds import get_kind
+
     blocks = kind is not None and get_kind(kind).drafts_blocks
     if args.block is not None and not blocks:
         raise UsageError("--block K drafts with a dflash or dspark drafter (--kind, or --drafter of that kind)")
@@ -45,6 +48,8 @@ def drafts_blocks(args, kind: str | None, shape_flags: tuple[str, ...]) -> bool:
 def make_drafter(args, kind: str, target):
     """Load ``--drafter`` or make a random drafter of ``kind`` for ``target`` (a block drafter's target layers
     from ``--aux-layers`` when given)."""
+    from draftsmith.model.kinds import get_kind
+
     k = get_kind(kind)
     if args.drafter:
         return k.load(args.drafter, target)

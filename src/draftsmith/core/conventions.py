@@ -14,6 +14,10 @@ from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
 
+# The drafter kinds, by name: EAGLE-3 drafts a token a pass, DFlash and DSpark a block. Here, below torch, so the CLI
+# can offer them without importing the models (model/kinds.py maps each name to its model functions).
+DRAFTER_KINDS = ("eagle3", "dflash", "dspark")
+
 ENGINES_ONE_LOWER = frozenset({"sglang", "specforge", "eagle"})  # config ids = output of layer i = ours - 1
 
 

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from draftsmith.core.conventions import DRAFTER_KINDS
 from draftsmith.core.errors import UsageError
 from draftsmith.model import block_drafter, drafter
 
@@ -68,6 +69,7 @@ class BlockKind:
 
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (Eagle3Kind(), BlockKind("dflash"), BlockKind("dspark"))}
 KIND_NAMES = tuple(KINDS)
+assert KIND_NAMES == DRAFTER_KINDS, "core/conventions.py names the kinds the CLI offers"
 
 
 def get_kind(name: str) -> DrafterKind:
