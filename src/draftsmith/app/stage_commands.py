@@ -296,6 +296,14 @@ def add_export_parsers(sub) -> None:
                    help="draft tokens per step: speculators writes it into the config; the printed serve line "
                         "uses it (gguf: llama.cpp's --draft-max) (default 3)")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--license", default=None, metavar="ID",
+                   help="the model card's license (a hub license id, e.g. apache-2.0); default: none stated")
+    p.add_argument("--bench-report", action="append", default=[], metavar="FILE",
+                   help="a bench.json / bench-llamacpp.json of this drafter: its acceptance goes into the model "
+                        "card (repeatable)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO",
+                   help="then upload the folder (weights, README.md model card, drafter_card.json) to this hub "
+                        "model repo with huggingface_hub (token from HF_TOKEN or its login)")
     add_json_arg(p)
 
     p = sub.add_parser("import", help="read a drafter from EAGLE, SpecForge, SGLang, vLLM or speculators",
@@ -334,10 +342,28 @@ def export(args) -> int:
             args.drafter, args.out, args.format, dtype=EXPORT_DTYPES[args.export_dtype],
             include_embeddings=args.include_embeddings,
             embeddings=embeddings, verifier=args.verifier or args.target,
-            num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
+            num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force, card=_card_extra(args))
     for w in caught:
         print(f"draftsmith: warning: {w.message}", file=sys.stderr)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return _push(args, report.path)
+
+
+def _card_extra(args) -> dict:
+    """The model card's facts the command line adds: license, bench reports, the hub repo it will live in."""
+    for path in args.bench_report:
+        if not Path(path).is_file():
+            raise UsageError(f"--bench-report {path}: no such file")
+    return {"license": args.license, "bench_reports": list(args.bench_report), "repo_id": args.push_to_hub}
+
+
+def _push(args, folder: Path) -> int:
+    if not args.push_to_hub:
+        return 0
+    from draftsmith.stages.export.publish import push_to_hub
+
+    url = push_to_hub(folder, args.push_to_hub)
+    print(f"pushed {folder} to {args.push_to_hub}: {url}", file=sys.stderr)
     return 0
 
 
@@ -350,9 +376,10 @@ def _export_gguf(args) -> int:
         raise UsageError("--format gguf shares the target's embedding (llama.cpp reads it from the target GGUF); "
                          "drop --include-embeddings")
     report = export_gguf(args.drafter, args.out, target=args.target, dtype=EXPORT_DTYPES[args.export_dtype],
-                         num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
+                         num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force,
+                         card=_card_extra(args))
     print(json.dumps(report.to_dict()) if args.json else report.summary())
-    return 0
+    return _push(args, report.path.parent)
 
 
 def import_(args) -> int:
