@@ -10,6 +10,7 @@ the same calibration text. When no shape's expected speedup exceeds 1, the answe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -436,6 +437,9 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
                ) -> tuple[Choice, VerifyCost, Acceptance]:
     """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json.
 
+    Calibration prompts: the drafter's training run's held-out split where the run can be found beside it
+    (``stages.calibration``), else the hand-written ``CALIBRATION_PROMPTS``; ``prompts`` overrides both.
+
     ``acceptance``: already known (the same drafter calibrated in another dtype): only the curve is measured.
     """
     max_depth = max(draft_depth(c) for c in candidates)
@@ -444,12 +448,16 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     widths = sorted({1, *(t.top_k for t in trees)})
     ks = curve_ks(candidates)
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
-    acc = acceptance
+    acc, where = acceptance, ""
     if acc is None and prompts is None and target.tokenizer is not None:
-        prompts = calibration_prompts(target.tokenizer)
+        from draftsmith.stages.calibration import calibration_set
+
+        cal = calibration_set(drafter_dir, target.tokenizer)  # the run's held-out split where it can be found
+        prompts, where = cal.prompts, f" ({cal.source})"
     if acc is None and prompts:
         acc, _ = cached_acceptance(target, drafter, drafter_dir, prompts, depth=max_depth, top_k=max_k,
                                    **(calibrate or {}))
+        acc = dataclasses.replace(acc, source=acc.source + where)
     if (acc is None or not any(acc.ranks)) and drafter_dir is not None:
         acc = acceptance_from_eval(drafter_dir)
     acc = acc or Acceptance((), "none")
