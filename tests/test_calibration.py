@@ -10,7 +10,8 @@ import torch
 
 from draftsmith.data.chat import encode_prompt
 from draftsmith.stages import shapes
-from draftsmith.stages.calibration import CALIBRATION_LIMIT, calibration_set
+from draftsmith.stages.calibration import CALIBRATION_LIMIT
+from draftsmith.stages.shapes import calibration_set
 from draftsmith.stages.train.data import split_eval
 from draftsmith.testing.tokenizer import make_tokenizer
 

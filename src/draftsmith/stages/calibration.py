@@ -5,7 +5,7 @@ training distribution than the user's traffic) promises more than the engine del
 auto`` expected tau 3.00 and MT-bench measured 2.28. Training already holds samples out by a hash of their id
 (``stages.train.data.split_eval``); this module finds the run that trained a drafter, recomputes that very split
 from the run's config and data, and hands back the held-out samples' prompts. Where there is no run (a drafter
-imported from elsewhere) it falls back to the hand-written prompts, and says which it used.
+imported from elsewhere) ``shapes.calibration_set`` falls back to the hand-written prompts, and says so.
 """
 
 from __future__ import annotations
@@ -100,15 +100,3 @@ def heldout_calibration(drafter_dir: str | Path | None, tokenizer, limit: int = 
         return None
     return CalibrationSet(prompts, f"{len(prompts)} held-out prompts of {run.name}'s training data (eval split "
                                    f"{fraction:g}, never trained on)", True, tuple(chosen))
-
-
-def calibration_set(drafter_dir: str | Path | None, tokenizer) -> CalibrationSet:
-    """The held-out prompts where the drafter's run can be found, else the hand-written ones (not known held out:
-    a drafter from elsewhere may have seen anything)."""
-    held = heldout_calibration(drafter_dir, tokenizer)
-    if held is not None:
-        return held
-    from draftsmith.stages.shapes import CALIBRATION_PROMPTS, calibration_prompts
-
-    return CalibrationSet(calibration_prompts(tokenizer), f"{len(CALIBRATION_PROMPTS)} hand-written prompts (no "
-                          "training run beside the drafter: its held-out split is unknown)", False)

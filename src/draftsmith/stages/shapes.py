@@ -371,6 +371,18 @@ class LookupReach:
                 sum(self.proposed[n] for n in ns) / self.positions)
 
 
+def calibration_set(drafter_dir: str | Path | None, tokenizer):
+    """The drafter's training run's held-out prompts where the run can be found beside it, else the hand-written
+    ones (not known held out: a drafter from elsewhere may have seen anything). A ``CalibrationSet``."""
+    from draftsmith.stages.calibration import CalibrationSet, heldout_calibration
+
+    held = heldout_calibration(drafter_dir, tokenizer)
+    if held is not None:
+        return held
+    return CalibrationSet(calibration_prompts(tokenizer), f"{len(CALIBRATION_PROMPTS)} hand-written prompts (no "
+                          "training run beside the drafter: its held-out split is unknown)", False)
+
+
 def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
     """Top-1 per-position accuracies that training wrote into best/eval.json (None when it did not)."""
     path = Path(drafter_dir) / "eval.json"
@@ -450,8 +462,6 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
     acc, where = acceptance, ""
     if acc is None and prompts is None and target.tokenizer is not None:
-        from draftsmith.stages.calibration import calibration_set
-
         cal = calibration_set(drafter_dir, target.tokenizer)  # the run's held-out split where it can be found
         prompts, where = cal.prompts, f" ({cal.source})"
     if acc is None and prompts:

@@ -106,6 +106,19 @@ def training_facts(drafter_dir: str | Path | None) -> dict | None:
             "target": cfg.get("target"), "steps": steps, "recipe": {k: cfg[k] for k in _RECIPE if k in cfg}}
 
 
+def draft_ids_hash(d2t, draft_vocab_size: int, vocab_size: int) -> str | None:
+    """sha256 of the draft vocabulary as absolute target ids (``i + d2t[i]``): the same for every layout, whether it
+    stores offsets (HF layouts) or absolute ids (GGUF). None for a full vocabulary (no d2t)."""
+    import hashlib
+
+    import torch
+
+    if d2t is None or draft_vocab_size == vocab_size:
+        return None
+    ids = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+
+
 def base_model_of(target: str | Path | None) -> str | None:
     """The target's hub id where it is known (a hub id given, the embedded default, or the ``_name_or_path`` a
     local directory's config.json records); else the directory's name; None when nothing names it."""
@@ -156,8 +169,10 @@ def versions(engines: dict[str, str] | None = None) -> dict:
             "engines": dict(engines or {})}
 
 
-def usage_lines(fmt: str, where: str, base_model: str | None, k: int, target_gguf: str | None = None) -> dict:
-    """The serve command per engine this layout is for; ``where`` is the folder (or hub repo) as the user has it."""
+def usage_lines(fmt: str, where: str, base_model: str | None, k: int, target_gguf: str | None = None,
+                llama_line: str | None = None) -> dict:
+    """The serve command per engine this layout is for; ``where`` is the folder (or hub repo) as the user has it.
+    ``llama_line``: llama-server's, which the GGUF writer builds (its flags live there)."""
     target = base_model or "TARGET"
     out = {}
     for engine in ENGINES.get(fmt, ()):
@@ -170,10 +185,8 @@ def usage_lines(fmt: str, where: str, base_model: str | None, k: int, target_ggu
                              f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(where)} "
                              f"--speculative-num-steps {k} --speculative-eagle-topk 1 "
                              f"--speculative-num-draft-tokens {k + 1}")
-        elif engine == "llama.cpp":
-            from draftsmith.stages.export.gguf import llama_server_argv
-
-            out["llama.cpp"] = shlex.join(llama_server_argv(target_gguf or "TARGET.gguf", where, k))
+        elif engine == "llama.cpp" and llama_line:
+            out["llama.cpp"] = llama_line
     out["check"] = (f"draftsmith check --engine {'llamacpp' if fmt == 'gguf' else 'vllm'} --target "
                     f"{shlex.quote(target_gguf or target)} --drafter {shlex.quote(where)}")
     return out
@@ -182,7 +195,8 @@ def usage_lines(fmt: str, where: str, base_model: str | None, k: int, target_ggu
 def card_facts(*, fmt: str, out: str | Path, drafter_config, source: str | Path | None, base_model: str | None,
                num_speculative_tokens: int, files: Sequence[str], license: str | None = None,
                bench_reports: Sequence[str | Path] = (), repo_id: str | None = None,
-               target_gguf: str | None = None, engines: dict[str, str] | None = None) -> dict:
+               target_gguf: str | None = None, engines: dict[str, str] | None = None,
+               llama_line: str | None = None, d2t=None) -> dict:
     """Everything the card says, as one JSON-able dict (``drafter_card.json``)."""
     cfg = drafter_config
     src_dir = Path(source) if source is not None and Path(source).is_dir() else None
@@ -208,7 +222,8 @@ def card_facts(*, fmt: str, out: str | Path, drafter_config, source: str | Path 
         "benchmarks": benchmark_rows(bench_reports),
         "training": training,
         "versions": versions(engines),
-        "usage": usage_lines(fmt, where, base, num_speculative_tokens, target_gguf),
+        "draft_ids_sha256": draft_ids_hash(d2t, cfg.draft_vocab_size, cfg.vocab_size),
+        "usage": usage_lines(fmt, where, base, num_speculative_tokens, target_gguf, llama_line),
     }
 
 

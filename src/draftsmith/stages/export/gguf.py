@@ -295,8 +295,10 @@ def _write_card(out: Path, ckpt: DrafterCheckpoint, drafter, target: str | Path,
     extra = dict(card or {})
     base = extra.pop("base_model", None) or base_model_of(target if str(target) == "smollm2" else None)
     source = drafter if isinstance(drafter, (str, Path)) else None
+    line = shlex.join(llama_server_argv(str(tgt.path), str(out.resolve()), k))
     write_card(folder, card_facts(fmt="gguf", out=out, drafter_config=ckpt.config, source=source, base_model=base,
-                                  num_speculative_tokens=k, files=[out.name], target_gguf=str(tgt.path), **extra))
+                                  num_speculative_tokens=k, files=[out.name], target_gguf=str(tgt.path),
+                                  llama_line=line, d2t=ckpt.state.get("d2t"), **extra))
 
 
 def finish_gguf(w, tmp: Path, out: Path) -> None:

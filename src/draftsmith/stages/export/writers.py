@@ -390,7 +390,7 @@ def _write_card(out: Path, fmt: str, ckpt: DrafterCheckpoint, drafter, verifier:
     source = drafter if isinstance(drafter, (str, Path)) else None
     files = ["config.json", WEIGHTS_FILE, MANIFEST_FILE]
     write_card(out, card_facts(fmt=fmt, out=out, drafter_config=ckpt.config, source=source, base_model=base,
-                               num_speculative_tokens=k, files=files, **extra))
+                               num_speculative_tokens=k, files=files, d2t=ckpt.state.get("d2t"), **extra))
 
 
 def target_embeddings(target: str | Path, dtype: torch.dtype | None = None) -> torch.Tensor:
