@@ -24,6 +24,7 @@ from draftsmith.app.args import (
     fail,
     parse_ints,
 )
+from draftsmith.app.check import add_check_parser
 from draftsmith.app.recipe import add_config_flags, apply_recipe
 from draftsmith.core.allocator import keep_freed_memory
 from draftsmith.core.errors import UsageError, one_line
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     stages.add_export_parsers(sub)
     stages.add_train_parser(sub)
     _add_doctor_parsers(sub)
+    add_check_parser(sub)
 
     p = sub.add_parser("bench", help="measure a drafter on real prompt sets against plain decoding")
     add_target_args(p)
@@ -168,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             return {"export": stages.export, "import": stages.import_}[args.command](args)
         if args.command == "train":
             return stages.train(args)
+        if args.command == "check":
+            from draftsmith.app.check import check_command
+
+            return check_command(args)
         if args.command == "bench":
             return _bench(args, given)
         if args.command == "demo":
