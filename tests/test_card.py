@@ -131,3 +131,40 @@ def test_push_to_hub_failure_is_one_line(tmp_path, monkeypatch, capsys):
     assert code == 2 and "upload failed" in err and (tmp_path / "o" / CARD_FILE).is_file()
     assert main(["export", "--drafter", str(run / "best"), "--format", "vllm", "--out", str(tmp_path / "p"),
                  "--push-to-hub", "not a repo"]) == 2
+
+
+def test_card_expectation_measured_by_decoding_held_out_prompts(tmp_path):
+    """export --calibrate-target: the card's expected acceptance is a decode of the run's held-out prompts (training's
+    simulated one kept beside it), and its chain-5 number is exactly what that decode accepts."""
+    from conftest import save_tiny_chat_model
+
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.check.replay import chain_tau
+    from draftsmith.stages.shapes import calibration_set
+
+    save_tiny_chat_model(tmp_path / "target")
+    target = load_target(str(tmp_path / "target"), dtype=torch.float32)
+    run = _run(tmp_path)
+    new_drafter(target).save(run / "best")  # the run's drafter, for this target
+    (run / "best" / "eval.json").write_text(json.dumps({"step": 40, "acc": ACC, "tokens": 900}))
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"say {i} now"},
+                                                                    {"role": "assistant", "content": "ok"}]}) + "\n"
+                            for i in range(40)))
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "conversations": str(conv), "eval_fraction": 0.25}))
+    out = tmp_path / "export"
+    assert main(["export", "--drafter", str(run / "best"), "--format", "vllm", "--out", str(out),
+                 "--export-dtype", "float32", "--calibrate-target", str(tmp_path / "target")]) == 0
+    facts = read_card(out)
+    exp = facts["expected_acceptance"]
+    assert exp["source"].startswith("draftsmith decode") and exp["held_out"] is True
+    assert list(exp["by_k"]) == ["1", "2", "3", "4", "5"]
+    assert facts["simulated_acceptance"]["by_k"] == {"1": 1.8, "2": 2.28, "3": 2.52}
+    drafter = load_drafter(run / "best", target)
+    cal = calibration_set(run / "best", target.tokenizer)
+    from draftsmith.data.chat import stop_token_ids
+
+    tau5 = chain_tau(target, drafter, cal.prompts, 5, 96, list(stop_token_ids(target.tokenizer)))[0]
+    assert abs(exp["by_k"]["5"] - tau5) < 1e-3

@@ -301,6 +301,10 @@ def add_export_parsers(sub) -> None:
     p.add_argument("--bench-report", action="append", default=[], metavar="FILE",
                    help="a bench.json / bench-llamacpp.json of this drafter: its acceptance goes into the model "
                         "card (repeatable)")
+    p.add_argument("--calibrate-target", default=None, metavar="DIR",
+                   help="decode the drafter's held-out prompts (its training run's eval split) with this target in "
+                        "draftsmith, and put the measured acceptance by k into the model card (else the card gives "
+                        "training's simulated one, which reads above a real decode)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO",
                    help="then upload the folder (weights, README.md model card, drafter_card.json) to this hub "
                         "model repo with huggingface_hub (token from HF_TOKEN or its login)")
@@ -354,7 +358,29 @@ def _card_extra(args) -> dict:
     for path in args.bench_report:
         if not Path(path).is_file():
             raise UsageError(f"--bench-report {path}: no such file")
-    return {"license": args.license, "bench_reports": list(args.bench_report), "repo_id": args.push_to_hub}
+    extra = {"license": args.license, "bench_reports": list(args.bench_report), "repo_id": args.push_to_hub}
+    if args.calibrate_target:
+        extra["decoded"] = _decoded_expectation(args.calibrate_target, args.drafter, args.num_speculative_tokens)
+    return extra
+
+
+def _decoded_expectation(target_path: str, drafter_dir: str, k: int) -> dict:
+    """The card's expected acceptance measured by decoding the held-out prompts (calibration.decoded_expectation)."""
+    import torch
+
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.calibration import decoded_expectation
+    from draftsmith.stages.shapes import calibration_set
+
+    if not Path(drafter_dir).is_dir():
+        raise UsageError("--calibrate-target needs --drafter to be a draftsmith drafter directory")
+    target = load_target(target_path, dtype=torch.float32)
+    drafter = load_drafter(drafter_dir, target)
+    if target.tokenizer is None:
+        raise UsageError(f"--calibrate-target {target_path}: no tokenizer to render the held-out prompts")
+    cal = calibration_set(drafter_dir, target.tokenizer)
+    return decoded_expectation(target, drafter, cal, k=max(5, k))
 
 
 def _push(args, folder: Path) -> int:

@@ -196,8 +196,12 @@ def card_facts(*, fmt: str, out: str | Path, drafter_config, source: str | Path 
                num_speculative_tokens: int, files: Sequence[str], license: str | None = None,
                bench_reports: Sequence[str | Path] = (), repo_id: str | None = None,
                target_gguf: str | None = None, engines: dict[str, str] | None = None,
-               llama_line: str | None = None, d2t=None) -> dict:
-    """Everything the card says, as one JSON-able dict (``drafter_card.json``)."""
+               llama_line: str | None = None, d2t=None, decoded: dict | None = None) -> dict:
+    """Everything the card says, as one JSON-able dict (``drafter_card.json``).
+
+    ``decoded``: the acceptance measured by decoding held-out prompts (``calibration.decoded_expectation``); when
+    given it is the card's expected acceptance, and training's simulated one is kept beside it.
+    """
     cfg = drafter_config
     src_dir = Path(source) if source is not None and Path(source).is_dir() else None
     training = training_facts(src_dir)
@@ -218,7 +222,8 @@ def card_facts(*, fmt: str, out: str | Path, drafter_config, source: str | Path 
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": bool(cfg.norm_before_residual),
         "norms": cfg.norm_flags(),
-        "expected_acceptance": expected_acceptance(src_dir),
+        "expected_acceptance": decoded or expected_acceptance(src_dir),
+        "simulated_acceptance": expected_acceptance(src_dir) if decoded else None,
         "benchmarks": benchmark_rows(bench_reports),
         "training": training,
         "versions": versions(engines),
@@ -249,8 +254,10 @@ def render_card(facts: dict) -> str:
     lines += ["## Expected acceptance", ""]
     exp = facts["expected_acceptance"]
     if exp:
+        where = (f"step {exp.get('step')}, {exp.get('tokens')} tokens" if "step" in exp
+                 else f"{exp.get('passes')} verify passes")
         lines += [f"Acceptance length (accepted drafts + 1 per verify pass) of a greedy chain of k drafts, from the "
-                  f"{exp['source']}; step {exp.get('step')}, {exp.get('tokens')} tokens.", "",
+                  f"{exp['source']}; {where}.", "",
                   "| k | " + " | ".join(exp["by_k"]) + " |", "|---|" + "---|" * len(exp["by_k"]),
                   "| acceptance length | " + " | ".join(f"{v:.2f}" for v in exp["by_k"].values()) + " |", "",
                   "`draftsmith check` compares an engine's served acceptance with these numbers; far below them is a "
