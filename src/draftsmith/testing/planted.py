@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-GGUF_FAULTS = ("aux-ids-plus-1", "d2t-offsets", "d2t-dropped", "norm-before-residual-dropped", "d2t-shuffled")
+GGUF_FAULTS = ("aux-ids-plus-1", "d2t-offsets", "d2t-dropped", "norm-before-residual-flipped", "d2t-shuffled")
 HF_FAULTS = ("norm-output-stripped", "aux-ids-minus-1", "d2t-dropped", "d2t-absolute",
              "norm-before-residual-dropped", "d2t-shuffled")
 
@@ -50,8 +50,8 @@ def plant_gguf(src: str | Path, dst_dir: str | Path, fault: str) -> Path:
             continue
         if fault == "aux-ids-plus-1" and name in (facts.KEY_TARGET_LAYERS, facts.KEY_TARGET_LAYERS_EARLY):
             w.add_array(name, [int(i) + 1 for i in f.contents()])
-        elif fault == "norm-before-residual-dropped" and name == facts.KEY_NORM_BEFORE_RESIDUAL:
-            w.add_bool(name, False)
+        elif fault == "norm-before-residual-flipped" and name == facts.KEY_NORM_BEFORE_RESIDUAL:
+            w.add_bool(name, not bool(f.contents()))  # the GGUF drafter of the tests trains without it
         else:
             copy_field(w, f)
     for t in r.tensors:
@@ -189,18 +189,31 @@ def llamacpp_world(root: str | Path, new_tokens: int = 32) -> dict:
     target = load_target("smollm2", pack=False, dtype=torch.float32)
     tok = target.tokenizer
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    plain = SpeculativeDecoder(target)
-    eos = [tok.eos_token_id]
-    seqs = [p + plain.generate(p, max_new_tokens=new_tokens, eos_token_ids=eos).token_ids for p in prompts]
-    kept = torch.cat([torch.tensor([t for s in seqs for t in s]), torch.arange(256)])
-    dv = vocab_mod.from_target_ids(kept, target.vocab_size)
-    drafter, acc = fit_chain_drafter(target, dv, seqs)
     run = root / "run"
-    drafter.save(run / "best")
-    (run / "best" / "eval.json").write_text(json.dumps({"step": 60, "acc": acc, "tokens": sum(map(len, seqs))}))
-    (run / "config.json").write_text(json.dumps({"target": "smollm2", "conversations": None, "store": None,
-                                                 "ttt_steps": 3, "eval_fraction": 0.0, "lr": 1e-2}))
-    good = export_gguf(run / "best", root / "good" / "drafter.gguf", target=target_gguf, dtype="fp32",
-                       card={"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}).path
+    if not (run / "best" / "eval.json").is_file():  # fitted once per world folder
+        plain = SpeculativeDecoder(target)
+        eos = [tok.eos_token_id]
+        seqs = [p + plain.generate(p, max_new_tokens=new_tokens, eos_token_ids=eos).token_ids for p in prompts]
+        kept = torch.cat([torch.tensor([t for s in seqs for t in s]), torch.arange(256)])
+        dv = vocab_mod.from_target_ids(kept, target.vocab_size)
+        drafter, acc = fit_chain_drafter(target, dv, seqs)
+        drafter.save(run / "best")
+        (run / "best" / "eval.json").write_text(json.dumps({"step": 60, "acc": acc, "tokens": sum(map(len, seqs))}))
+        (run / "config.json").write_text(json.dumps({"target": "smollm2", "conversations": None, "store": None,
+                                                     "ttt_steps": 3, "eval_fraction": 0.0, "lr": 1e-2}))
+    decoded_file = run / "decoded.json"
+    if not decoded_file.is_file():  # the card's expectation by decoding (the fit's prompts: no held-out split here)
+        from draftsmith.model.drafter import load_drafter
+        from draftsmith.stages.calibration import CalibrationSet, decoded_expectation
+
+        cal = CalibrationSet(prompts, f"the {len(prompts)} prompts the drafter was fitted on", False)
+        decoded = decoded_expectation(target, load_drafter(run / "best", target), cal, k=5, max_new_tokens=new_tokens)
+        decoded_file.write_text(json.dumps(decoded))
+    decoded = json.loads(decoded_file.read_text())
+    good_dir = root / "good"
+    if good_dir.exists():
+        shutil.rmtree(good_dir)
+    good = export_gguf(run / "best", good_dir / "drafter.gguf", target=target_gguf, dtype="fp32",
+                       card={"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "decoded": decoded}).path
     return {"target_gguf": target_gguf, "run": run, "drafter_dir": run / "best", "good": good, "prompts": prompts,
             "new_tokens": new_tokens}
