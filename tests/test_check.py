@@ -89,7 +89,7 @@ def _draftsmith_engine(read=None):
 
 def _check(pair, drafter, monkeypatch, read=None):
     monkeypatch.setattr(check_mod, "_run_engine", _draftsmith_engine(read))
-    monkeypatch.setattr(check_mod, "_doctor", lambda opts, report: True)  # doctor has its own tests
+    monkeypatch.setattr(check_mod, "_doctor", lambda opts, served, report: True)  # doctor has its own tests
     return run_check(CheckOptions(engine="vllm", target=pair["target"], drafter=str(drafter), prompts=pair["prompts"],
                                   k=K, max_new_tokens=NEW, reference_drafter=str(pair["best"])))
 

@@ -129,11 +129,11 @@ def run_check(opts: CheckOptions) -> CheckReport:
     if opts.engine not in ENGINES:
         raise ValueError(f"unknown engine {opts.engine!r}; choose one of {', '.join(ENGINES)}")
     report = CheckReport(engine=opts.engine, prompts=len(opts.prompts), k=opts.k)
-    if not _doctor(opts, report) and not opts.force:
-        report.verdict = "refused by doctor"
-        return report
     with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as tmp:
         served = _engine_files(opts, Path(tmp))
+        if not _doctor(opts, served, report) and not opts.force:  # doctor reads what the engine will load
+            report.verdict = "refused by doctor"
+            return report
         card = _card(opts)
         _card_findings(opts, served, card, report)
         outcome = _run_engine(opts, served)
@@ -151,12 +151,12 @@ def run_check(opts: CheckOptions) -> CheckReport:
     return report
 
 
-def _doctor(opts: CheckOptions, report: CheckReport) -> bool:
-    """Doctor first; False when it blocks (its causes become findings)."""
+def _doctor(opts: CheckOptions, served: Path, report: CheckReport) -> bool:
+    """Doctor first, on the files the engine loads; False when it blocks (its causes become findings)."""
     from draftsmith.stages.doctor import diagnose
 
     try:
-        d = diagnose(opts.target, opts.drafter, engine=opts.engine)
+        d = diagnose(opts.target, served, engine=opts.engine)
     except Exception as e:  # noqa: BLE001 - doctor cannot read this pair (a hub id offline, a layout it skips)
         report.notes.append(f"doctor could not run: {' '.join(str(e).split())[:200]}")
         return True
@@ -188,11 +188,22 @@ def _engine_files(opts: CheckOptions, tmp: Path) -> Path:
 
 
 def _card(opts: CheckOptions) -> dict | None:
-    from draftsmith.stages.export.card import read_card
+    """The drafter's card; for a draftsmith drafter folder without one, its facts made on the spot (the run's
+    eval.json gives the expectation), so the files the engine loads are still compared with what was trained."""
+    from draftsmith.stages.export.card import card_facts, read_card
 
     for where in (opts.drafter, opts.reference_drafter):
         if where and (card := read_card(where)) is not None:
             return card
+    for where in (opts.reference_drafter, opts.drafter):
+        if where and Path(where).is_dir() and (Path(where) / "config.json").is_file():
+            from draftsmith.stages.export import detect_format, read_checkpoint
+
+            if detect_format(Path(where)) != "draftsmith":
+                continue
+            ckpt = read_checkpoint(where)
+            return card_facts(fmt="draftsmith", out=where, drafter_config=ckpt.config, source=where,
+                              base_model=None, num_speculative_tokens=opts.k, files=[], d2t=ckpt.state.get("d2t"))
     return None
 
 
