@@ -127,3 +127,14 @@ def test_an_engine_that_misreads_a_flag_is_named_by_replay(pair, monkeypatch):
     assert r.verdict != "pass" and r.exit_code == 1, r.summary()
     assert r.findings[0].cause == "norm-before-residual", r.summary()
     assert "norm_before_residual flipped" in r.findings[0].evidence, r.summary()
+
+
+def test_cli_check_bad_arguments_are_one_line(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    assert main(["check", "--engine", "llamacpp", "--target", "smollm2", "--drafter", str(tmp_path),
+                 "--limit", "0"]) == 2
+    assert main(["check", "--engine", "llamacpp", "--target", "smollm2", "--drafter", str(tmp_path),
+                 "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "--limit" in err and "missing.jsonl" in err and "Traceback" not in err
