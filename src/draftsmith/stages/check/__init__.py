@@ -119,7 +119,8 @@ class CheckReport:
         if self.replays:
             lines.append("  replayed in draftsmith: " + ", ".join(f"{k} {v:.2f}" for k, v in self.replays.items()))
         lines += [f"  note: {n}" for n in self.notes]
-        word = {"pass": "served as trained", "silent collapse": "SILENT COLLAPSE", "partial loss": "PARTIAL LOSS"}
+        word = {"pass": "served as trained", "silent collapse": "SILENT COLLAPSE", "partial loss": "PARTIAL LOSS",
+                "files differ from the card": "FILES DIFFER FROM THE CARD"}
         lines.append(f"verdict: {word.get(self.verdict, self.verdict)} (exit {self.exit_code})")
         return "\n".join(lines)
 
@@ -281,6 +282,8 @@ def _decide(opts: CheckOptions, report: CheckReport, pair, outcome: EngineOutcom
         return
     if report.verdict == "pass" and card_found and report.card_tau is not None:
         report.verdict = acceptance_verdict(served, report.card_tau, "card")
+    if report.verdict == "pass" and card_found:  # serves well here, but not what was trained (e.g. aux ids +1)
+        report.verdict = "files differ from the card"
     if report.verdict != "pass" and pair is not None and opts.replay:
         from draftsmith.stages.check.replay import replay_all
 
