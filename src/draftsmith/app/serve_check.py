@@ -81,13 +81,22 @@ def wait_ready(base: str, proc=None, timeout: float = 1800.0, poll: float = 2.0)
     return False
 
 
-def _complete(base: str, model: str, prompt: str, max_tokens: int, timeout: float) -> None:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0.0}).encode()
-    req = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+def _post(url: str, payload: dict, timeout: float) -> None:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     with _opener().open(req, timeout=timeout) as r:
         r.read()
+
+
+def _complete(base: str, model: str, prompt: str, max_tokens: int, timeout: float) -> None:
+    """A greedy chat request; a server that cannot render chat (no template) gets the prompt as plain text."""
+    try:
+        _post(f"{base}/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": prompt}],
+                                              "max_tokens": max_tokens, "temperature": 0.0}, timeout)
+    except urllib.error.HTTPError as e:
+        if e.code not in (400, 500):
+            raise
+        _post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                         "temperature": 0.0}, timeout)
 
 
 def served_model(base: str, timeout: float = 10.0) -> str:

@@ -45,9 +45,11 @@ def run(job: dict, name: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = dict(model=job["target"], dtype=job.get("dtype", "auto"), max_model_len=job.get("max_model_len", 1024),
-                  seed=0, enforce_eager=job.get("enforce_eager", True), max_num_seqs=job.get("max_num_seqs", 8),
+    kwargs = dict(model=job["target"], dtype=job.get("dtype", "auto"), seed=0,
+                  enforce_eager=job.get("enforce_eager", True), max_num_seqs=job.get("max_num_seqs", 8),
                   disable_log_stats=False)
+    if job.get("max_model_len"):  # else the model's own (a larger one is refused)
+        kwargs["max_model_len"] = job["max_model_len"]
     if job.get("kv_cache_bytes"):
         kwargs["kv_cache_memory_bytes"] = job["kv_cache_bytes"]
     if name == "speculative":

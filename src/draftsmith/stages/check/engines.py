@@ -87,7 +87,8 @@ def _llamacpp_runs(name: str, engine, prompts: list[list[int]], max_new_tokens: 
 
 
 def run_vllm(python: str | Path, target: str, drafter_dir: str | Path, prompts: list[list[int]], k: int,
-             max_new_tokens: int, *, dtype: str = "auto", max_model_len: int = 1024, kv_cache_bytes: int | None = None,
+             max_new_tokens: int, *, dtype: str = "auto", max_model_len: int | None = None,
+             kv_cache_bytes: int | None = None,
              timeout_s: float = 1800.0) -> EngineOutcome:
     """Plain then EAGLE-3 (chain of ``k``) in vLLM, run by ``python`` (vLLM's environment) in a child process."""
     worker = Path(__file__).resolve().parents[2] / "integrations" / "vllm_check_worker.py"
