@@ -128,11 +128,11 @@ def test_vllm_planted_fault_is_caught(hf_world, tmp_path, fault):
 
 
 def test_vllm_serve_check_flags_a_planted_collapse(hf_world, tmp_path):
-    """A real `vllm serve` of the d2t-absolute drafter (loads, drafts, accepts ~nothing): serve --check strict
+    """A real `vllm serve` of the d2t-dropped drafter (loads, drafts, accepts ~nothing: 1.09): serve --check strict
     stops it and exits 1 within 16 requests."""
     from draftsmith.testing.planted import plant_hf
 
-    planted = plant_hf(hf_world["good"], tmp_path / "planted", "d2t-absolute")
+    planted = plant_hf(hf_world["good"], tmp_path / "planted", "d2t-dropped")
     import socket
 
     with socket.socket() as s:
