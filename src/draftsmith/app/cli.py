@@ -26,6 +26,7 @@ from draftsmith.app.args import (
     finite_float,
     parse_ints,
 )
+from draftsmith.app.check import add_check_parser
 from draftsmith.app.kind_args import BLOCK_HELP, add_kind_args
 from draftsmith.app.recipe import add_config_flags, apply_recipe
 from draftsmith.core.allocator import keep_freed_memory
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     stages.add_export_parsers(sub)
     stages.add_train_parser(sub)
     _add_doctor_parsers(sub)
+    add_check_parser(sub)
 
     p = sub.add_parser("bench", help="measure a drafter on real prompt sets against plain decoding")
     add_target_args(p)
@@ -185,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             return {"export": stages.export, "import": stages.import_}[args.command](args)
         if args.command == "train":
             return stages.train(args)
+        if args.command == "check":
+            from draftsmith.app.check import check_command
+
+            return check_command(args)
         if args.command == "bench":
             return _bench(args, given)
         if args.command == "demo":
@@ -415,6 +421,10 @@ def _add_doctor_parsers(sub) -> None:
     p.add_argument("--vllm-bin", default=None, metavar="PATH", help="the vllm executable (default: vllm on PATH)")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     p.add_argument("--force", action="store_true", help="launch even when doctor finds blocking errors")
+    p.add_argument("--check", choices=["on", "off", "strict"], default="on",
+                   help="once the server answers, send a few prompts and compare its spec-decode counters (/metrics) "
+                        "with the drafter card's acceptance: on (default) warns loudly on a collapse, strict stops "
+                        "the server and exits 1, off skips it")
     add_vllm_args(p, max_num_seqs=None, kv_cache_gib=None, title="vLLM engine (passed to vllm serve)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="-- VLLM_ARGS",
                    help="extra arguments for vllm serve, after --")
@@ -440,7 +450,8 @@ def _doctor_or_serve(args) -> int:
             raise UsageError("give --vllm-python or --vllm-bin, not both")
         return serve(args.target, args.drafter, args.num_speculative_tokens, port=args.port,
                      extra_args=[*_vllm_serve_args(args), *extra], dry_run=args.dry_run, force=args.force,
-                     engine_version=args.engine_version, vllm_bin=args.vllm_python or args.vllm_bin)
+                     engine_version=args.engine_version, vllm_bin=args.vllm_python or args.vllm_bin,
+                     check=args.check)
     except (DoctorUsageError, *USER_ERRORS) as e:
         return fail(e)
     except OSError as e:

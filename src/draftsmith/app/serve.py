@@ -71,10 +71,13 @@ def engine_model_name(model: str | Path) -> tuple[str, str | None]:
 
 def serve(target: str | Path, drafter: str | Path, num_speculative_tokens: int = 3, *, port: int | None = None,
           extra_args: Sequence[str] = (), dry_run: bool = False, force: bool = False,
-          engine_version: str | None = None, vllm_bin: str | None = None, out=None, err=None) -> int:
+          engine_version: str | None = None, vllm_bin: str | None = None, out=None, err=None,
+          check: str = "off") -> int:
     """Doctor the pair for vLLM, refuse on blocking findings (unless ``force``), print and run ``vllm serve``.
 
-    Returns the exit code: 1 refused or vLLM's own exit code, 0 for a dry run that would launch.
+    ``check`` (``serve --check``, on in the CLI): once the server answers, compare its acceptance with the card's
+    (``serve_check``); "strict" stops the server on a collapse. Returns the exit code: 1 refused (or stopped by
+    the strict check), else vLLM's own; 0 for a dry run that would launch.
     """
     out = out or sys.stdout
     err = err or sys.stderr
@@ -99,9 +102,42 @@ def serve(target: str | Path, drafter: str | Path, num_speculative_tokens: int =
         return 0
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
         raise FileNotFoundError(f"{cmd[0]}: vLLM's command not found (install vllm, or pass --vllm-bin PATH)")
+    if check == "off":
+        try:
+            return subprocess.call(cmd)
+        except KeyboardInterrupt:
+            return 130
+    return _serve_checked(cmd, drafter, num_speculative_tokens, port, check, err)
+
+
+def _serve_checked(cmd: list[str], drafter, k: int, port: int | None, check: str, err) -> int:
+    """Run the server, check it once it answers, then wait for it (strict: stop it on a collapse)."""
+    from draftsmith.app.serve_check import card_expectation, check_server, wait_ready
+
+    proc = _launch(cmd)
     try:
-        return subprocess.call(cmd)
+        base = f"http://127.0.0.1:{port or 8000}"
+        expected = card_expectation(drafter, k)
+        if expected is None:
+            print("draftsmith serve --check: the drafter carries no card with its expected acceptance "
+                  "(drafter_card.json): nothing to compare; `draftsmith check --engine vllm` measures it", file=err)
+        elif wait_ready(base, proc):
+            try:
+                result = check_server(base, expected)
+            except (OSError, ValueError, KeyError) as e:
+                print(f"draftsmith serve --check: could not check the server ({e})", file=err, flush=True)
+            else:
+                print(result.line(), file=err, flush=True)
+                if result.verdict in ("silent collapse", "partial loss"):
+                    print("draftsmith serve --check: the drafter accepts far less here than it was trained to; "
+                          f"`draftsmith check --engine vllm --target TARGET --drafter {drafter}` names the likely "
+                          "cause", file=err, flush=True)
+                    if check == "strict" and result.verdict == "silent collapse":
+                        _stop(proc)
+                        return 1
+        return proc.wait()
     except KeyboardInterrupt:
+        _stop(proc)
         return 130
     except OSError as e:  # not a program the kernel can run (exec format error, a directory, no permission)
         raise UsageError(f"{cmd[0]}: cannot run it ({e.strerror or e}); pass --vllm-bin a vllm executable") from e
@@ -115,6 +151,19 @@ def check_executable(path: str) -> None:
         raise UsageError(f"--vllm-bin {path}: no such executable file")
     if not os.access(p, os.X_OK):
         raise UsageError(f"--vllm-bin {path}: not executable (a vllm script, or a Python with vLLM installed)")
+
+
+def _launch(cmd: list[str]):
+    return subprocess.Popen(cmd)
+
+
+def _stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def vllm_python_of(vllm_bin: str | None) -> str | None:

@@ -304,6 +304,18 @@ def add_export_parsers(sub) -> None:
                    help="draft tokens per step: speculators writes it into the config; the printed serve line "
                         "uses it (gguf: llama.cpp's --draft-max) (default 3)")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--license", default=None, metavar="ID",
+                   help="the model card's license (a hub license id, e.g. apache-2.0); default: none stated")
+    p.add_argument("--bench-report", action="append", default=[], metavar="FILE",
+                   help="a bench.json / bench-llamacpp.json of this drafter: its acceptance goes into the model "
+                        "card (repeatable)")
+    p.add_argument("--calibrate-target", default=None, metavar="DIR",
+                   help="decode the drafter's held-out prompts (its training run's eval split) with this target in "
+                        "draftsmith, and put the measured acceptance by k into the model card (else the card gives "
+                        "training's simulated one, which reads above a real decode)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO",
+                   help="then upload the folder (weights, README.md model card, drafter_card.json) to this hub "
+                        "model repo with huggingface_hub (token from HF_TOKEN or its login)")
     add_json_arg(p)
 
     p = sub.add_parser("import", help="read a drafter from EAGLE, SpecForge, SGLang, vLLM or speculators",
@@ -346,10 +358,50 @@ def export(args) -> int:
             args.drafter, args.out, args.format, dtype=EXPORT_DTYPES[args.export_dtype],
             include_embeddings=args.include_embeddings,
             embeddings=embeddings, verifier=args.verifier or args.target,
-            num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
+            num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force, card=_card_extra(args))
     for w in caught:
         print(f"draftsmith: warning: {w.message}", file=sys.stderr)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return _push(args, report.path)
+
+
+def _card_extra(args) -> dict:
+    """The model card's facts the command line adds: license, bench reports, the hub repo it will live in."""
+    for path in args.bench_report:
+        if not Path(path).is_file():
+            raise UsageError(f"--bench-report {path}: no such file")
+    extra = {"license": args.license, "bench_reports": list(args.bench_report), "repo_id": args.push_to_hub}
+    if args.calibrate_target:
+        extra["decoded"] = _decoded_expectation(args.calibrate_target, args.drafter, args.num_speculative_tokens)
+    return extra
+
+
+def _decoded_expectation(target_path: str, drafter_dir: str, k: int) -> dict:
+    """The card's expected acceptance measured by decoding the held-out prompts (calibration.decoded_expectation)."""
+    import torch
+
+    from draftsmith.model.drafter import load_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.calibration import decoded_expectation
+    from draftsmith.stages.shapes import calibration_set
+
+    if not Path(drafter_dir).is_dir():
+        raise UsageError("--calibrate-target needs --drafter to be a draftsmith drafter directory")
+    target = load_target(target_path, dtype=torch.float32)
+    drafter = load_drafter(drafter_dir, target)
+    if target.tokenizer is None:
+        raise UsageError(f"--calibrate-target {target_path}: no tokenizer to render the held-out prompts")
+    cal = calibration_set(drafter_dir, target.tokenizer)
+    return decoded_expectation(target, drafter, cal, k=max(5, k))
+
+
+def _push(args, folder: Path) -> int:
+    if not args.push_to_hub:
+        return 0
+    from draftsmith.stages.export.publish import push_to_hub
+
+    url = push_to_hub(folder, args.push_to_hub)
+    print(f"pushed {folder} to {args.push_to_hub}: {url}", file=sys.stderr)
     return 0
 
 
@@ -388,9 +440,10 @@ def _export_gguf(args) -> int:
         raise UsageError("--format gguf shares the target's embedding (llama.cpp reads it from the target GGUF); "
                          "drop --include-embeddings")
     report = export_gguf(args.drafter, args.out, target=args.target, dtype=EXPORT_DTYPES[args.export_dtype],
-                         num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force)
+                         num_speculative_tokens=args.num_speculative_tokens, overwrite=args.force,
+                         card=_card_extra(args))
     print(json.dumps(report.to_dict()) if args.json else report.summary())
-    return 0
+    return _push(args, report.path.parent)
 
 
 def import_(args) -> int:

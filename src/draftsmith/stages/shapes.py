@@ -10,6 +10,7 @@ the same calibration text. When no shape's expected speedup exceeds 1, the answe
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -432,6 +433,18 @@ class LookupReach:
                 sum(self.proposed[n] for n in ns) / self.positions)
 
 
+def calibration_set(drafter_dir: str | Path | None, tokenizer):
+    """The drafter's training run's held-out prompts where the run can be found beside it, else the hand-written
+    ones (not known held out: a drafter from elsewhere may have seen anything). A ``CalibrationSet``."""
+    from draftsmith.stages.calibration import CalibrationSet, heldout_calibration
+
+    held = heldout_calibration(drafter_dir, tokenizer)
+    if held is not None:
+        return held
+    return CalibrationSet(calibration_prompts(tokenizer), f"{len(CALIBRATION_PROMPTS)} hand-written prompts (no "
+                          "training run beside the drafter: its held-out split is unknown)", False)
+
+
 def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
     """Top-1 per-position accuracies that training wrote into best/eval.json (None when it did not)."""
     path = Path(drafter_dir) / "eval.json"
@@ -499,6 +512,9 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
                ) -> tuple[Choice, VerifyCost, Acceptance]:
     """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json.
 
+    Calibration prompts: the drafter's training run's held-out split where the run can be found beside it
+    (``stages.calibration``), else the hand-written ``CALIBRATION_PROMPTS``; ``prompts`` overrides both.
+
     ``acceptance``: already known (the same drafter calibrated in another dtype): only the curve is measured.
     A block drafter weighs its block lengths (``block_candidates``) instead of the EAGLE-3 shapes.
     """
@@ -510,12 +526,14 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     widths = sorted({1, *(t.top_k for t in trees), *(c.k for c in candidates if isinstance(c, BlockSpec))})
     ks = curve_ks(candidates)
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
-    acc = acceptance
+    acc, where = acceptance, ""
     if acc is None and prompts is None and target.tokenizer is not None:
-        prompts = calibration_prompts(target.tokenizer)
+        cal = calibration_set(drafter_dir, target.tokenizer)  # the run's held-out split where it can be found
+        prompts, where = cal.prompts, f" ({cal.source})"
     if acc is None and prompts:
         acc, _ = cached_acceptance(target, drafter, drafter_dir, prompts, depth=max_depth, top_k=max_k,
                                    **(calibrate or {}))
+        acc = dataclasses.replace(acc, source=acc.source + where)
     if (acc is None or not any(acc.ranks)) and drafter_dir is not None:
         acc = acceptance_from_eval(drafter_dir)
     acc = acc or Acceptance((), "none")

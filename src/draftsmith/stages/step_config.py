@@ -145,6 +145,7 @@ def choose_for_drafting(path: str, make_drafter: Callable[[Target], object], dra
     target, note = load_target_for(path, device, dtype, aux_layers, auto=True)
     drafter = make_drafter(target)
     choice, cost, acc = auto_shape(target, drafter, drafter_dir, calibrate=calibrate)
+    log(f"acceptance from {acc.source}")  # held out from training, or said not to be
     if dtype or target.device.type != "cpu" or target.dtype not in PACKABLE:
         log(describe(choice, note))
         return target, drafter, choice, note

@@ -235,8 +235,12 @@ def read_drafter(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path) -> tup
 
 def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: str | Path, *,
                 target: str | Path, dtype: str = "bf16", num_speculative_tokens: int = 3,
-                overwrite: bool = False) -> GgufExportReport:
-    """Write ``drafter`` as one EAGLE-3 GGUF file for llama.cpp; ``target`` is the target's GGUF (or 'smollm2')."""
+                overwrite: bool = False, card: dict | None = None) -> GgufExportReport:
+    """Write ``drafter`` as one EAGLE-3 GGUF file for llama.cpp; ``target`` is the target's GGUF (or 'smollm2').
+
+    The model card (README.md + drafter_card.json, ``card``: its extra facts) goes beside the file, unless that
+    folder already holds a README.md that is not a draftsmith card (a .gguf written into a folder of the user's).
+    """
     from gguf import GGUFWriter
 
     if dtype not in GGUF_DTYPES:
@@ -275,6 +279,7 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
         arr, raw = _array(name, t, DTYPES.get(dtype, dtype))
         w.add_tensor(name, arr, raw_dtype=raw)
     finish_gguf(w, tmp, out)
+    _write_card(out, ckpt, drafter, target, tgt, num_speculative_tokens, card)
     return GgufExportReport(format="gguf", path=out, tensors=sorted(tensors), dtype=dtype, aux_layer_ids=ids,
                             target_arch=tgt.arch, target=str(tgt.path), draft_vocab_size=cfg.draft_vocab_size,
                             num_speculative_tokens=num_speculative_tokens)
@@ -320,6 +325,22 @@ def _gguf_arch(path: Path) -> str | None:
     except GgufFileError:
         return None
     return None if field is None else str(field.contents())
+
+
+def _write_card(out: Path, ckpt: DrafterCheckpoint, drafter, target: str | Path, tgt: TargetGguf, k: int,
+                card: dict | None) -> None:
+    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, base_model_of, card_facts, write_card
+
+    folder = out.parent
+    if (folder / CARD_FILE).exists() and not (folder / CARD_JSON).exists():
+        return
+    extra = dict(card or {})
+    base = extra.pop("base_model", None) or base_model_of(target if str(target) == "smollm2" else None)
+    source = drafter if isinstance(drafter, (str, Path)) else None
+    line = shlex.join(llama_server_argv(str(tgt.path), str(out.resolve()), k))
+    write_card(folder, card_facts(fmt="gguf", out=out, drafter_config=ckpt.config, source=source, base_model=base,
+                                  num_speculative_tokens=k, files=[out.name], target_gguf=str(tgt.path),
+                                  llama_line=line, d2t=ckpt.state.get("d2t"), **extra))
 
 
 def finish_gguf(w, tmp: Path, out: Path) -> None:

@@ -84,12 +84,14 @@ def export_drafter(
     verifier_architectures: list[str] | None = None,
     num_speculative_tokens: int = 3,
     overwrite: bool = False,
+    card: dict | None = None,
 ) -> ExportReport:
     """Write ``drafter`` (an object, or a directory in any importable layout) in an engine's layout.
 
     ``embeddings`` is the target's input embedding table, needed only for ``include_embeddings`` when the
     drafter shares the target's (engines otherwise share it themselves). A drafter with its own embedding
     (another width than the target's) always carries it: engines could not share the target's.
+    ``card``: extra facts for the model card (``card_facts``' keywords: license, bench_reports, repo_id, base_model).
     """
     _check_options(fmt, dtype, num_speculative_tokens)
     ckpt, out = _setup_checkpoint(drafter, out)
@@ -103,6 +105,7 @@ def export_drafter(
     _set_dtype(config, target_dtype, fmt)
     manifest = _export_manifest(ckpt, fmt, sorted(state), target_dtype, embedded, num_speculative_tokens)
     _write(out, config, state, manifest, overwrite)
+    _write_card(out, fmt, ckpt, drafter, verifier, num_speculative_tokens, card)
     for n in notes:
         warnings.warn(n, stacklevel=2)
     return ExportReport(
@@ -389,6 +392,19 @@ def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: di
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_card(out: Path, fmt: str, ckpt: DrafterCheckpoint, drafter, verifier: str | None, k: int,
+                card: dict | None) -> None:
+    """README.md + drafter_card.json: what the drafter should accept and how to serve it (stages/export/card.py)."""
+    from draftsmith.stages.export.card import base_model_of, card_facts, write_card
+
+    extra = dict(card or {})
+    base = extra.pop("base_model", None) or base_model_of(verifier)
+    source = drafter if isinstance(drafter, (str, Path)) else None
+    files = ["config.json", WEIGHTS_FILE, MANIFEST_FILE]
+    write_card(out, card_facts(fmt=fmt, out=out, drafter_config=ckpt.config, source=source, base_model=base,
+                               num_speculative_tokens=k, files=files, d2t=ckpt.state.get("d2t"), **extra))
 
 
 def target_embeddings(target: str | Path, dtype: torch.dtype | None = None) -> torch.Tensor:

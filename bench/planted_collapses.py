@@ -1,0 +1,88 @@
+"""Issue 52: plant each known silent fault into a good export of a fitted drafter, and record what llama.cpp does
+(refuses, crashes, or serves at what acceptance) and what doctor and ``draftsmith check`` say.
+
+    PYTHONPATH=src .venv/bin/python bench/planted_collapses.py --out runs/planted [--reference]
+
+The pair: SmolLM2-135M as an F32 GGUF and a drafter fitted to its greedy continuations (``testing.planted``).
+Each case runs ``check`` in its own process (llama.cpp aborts the process on some malformed drafters).
+``--reference`` also decodes in draftsmith and replays the faulty readings (slow on a loaded CPU).
+Writes planted.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CHECK = """
+import json, sys
+from draftsmith.stages.check import CheckOptions, run_check
+job = json.loads(sys.argv[1])
+r = run_check(CheckOptions(**job))
+print("CHECK " + json.dumps(r.to_dict()), flush=True)
+"""
+
+
+def run_case(job: dict, timeout: float = 1800) -> dict:
+    try:
+        p = subprocess.run([sys.executable, "-c", CHECK, json.dumps(job)], capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"engine": f"timed out after {timeout:.0f} s"}
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("CHECK ")), None)
+    if line is None:
+        tail = " ".join((p.stderr or p.stdout).split()[-40:])
+        return {"engine": f"crashed (exit {p.returncode}): {tail[-300:]}", "exit_code": p.returncode}
+    return json.loads(line[6:])
+
+
+def engine_outcome(r: dict) -> str:
+    if "verdict" not in r:
+        return r["engine"]
+    if r["verdict"] == "refused by doctor":
+        return "not run (doctor blocks)"
+    if r["verdict"] == "engine refused":
+        return "refused: " + "; ".join(r["notes"])[-200:]
+    eq = r.get("equality") or {}
+    return f"served, tau {r['served_tau']:.2f}, output equal {eq.get('identical')}/{eq.get('compared')}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="runs/planted")
+    ap.add_argument("--reference", action="store_true")
+    ap.add_argument("--cases", default=None, help="comma-separated subset of good and the GGUF faults")
+    args = ap.parse_args()
+    from draftsmith.testing.planted import GGUF_FAULTS, llamacpp_world, plant_gguf
+
+    out = Path(args.out)
+    world = llamacpp_world(out / "world")
+    cases = {"good": world["good"]}
+    for fault in GGUF_FAULTS:
+        cases[fault] = plant_gguf(world["good"], out / "planted" / fault, fault)
+    if args.cases:
+        cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
+    rows = {}
+    for name, gguf in cases.items():
+        job = {"engine": "llamacpp", "target": str(world["target_gguf"]), "drafter": str(gguf),
+               "prompts": world["prompts"], "k": 3, "max_new_tokens": world["new_tokens"],
+               "draftsmith_target": "smollm2", "force": True,
+               "reference_drafter": str(world["drafter_dir"]) if args.reference else None}
+        rows[name] = run_case(job)
+        print(name, json.dumps(rows[name])[:400], file=sys.stderr, flush=True)
+    (out / "planted.json").write_text(json.dumps(rows, indent=1))
+    print("| case | llama.cpp | doctor | check verdict | cause named |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        causes = ", ".join(sorted({f["cause"] for f in r.get("findings", [])})) or "-"
+        doctor = "blocks" if r.get("doctor_blocking") else "passes"
+        print(f"| {name} | {engine_outcome(r)} | {doctor} | {r.get('verdict', '-')} (exit {r.get('exit_code')}) "
+              f"| {causes} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

