@@ -210,8 +210,18 @@ class _Killed(BaseException):
     """A kill at a chosen point (BaseException: no except-Exception clause swallows it)."""
 
 
-def _files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir())} if d.is_dir() else {}
+def _files(d: Path, *where: Path) -> dict[str, bytes]:
+    """A directory's files by name. The model card names the export's own path: that (``d``, or the ``where``
+    paths a copied export was written at) reads as OUT."""
+    if not d.is_dir():
+        return {}
+    paths = sorted((str(p.resolve()).encode() for p in (where or (d,))), key=len, reverse=True)
+
+    def norm(b: bytes) -> bytes:
+        for here in paths:
+            b = b.replace(here, b"OUT")
+        return b
+    return {p.name: norm(p.read_bytes()) for p in sorted(d.iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +280,8 @@ def test_a_kill_during_export_force_leaves_the_old_or_the_new_export(two_exports
 
     root = two_exports
     old, new = _files(root / "ref-a"), _files(root / "ref-b")
-    assert old != new and set(old) == set(new) == {"config.json", "model.safetensors", "draftsmith-export.json"}
+    assert old != new and set(old) == set(new) == {"config.json", "model.safetensors", "draftsmith-export.json",
+                                                   "README.md", "drafter_card.json"}
     if not exchange:
         monkeypatch.setattr(io_mod, "_exchange", lambda a, b: False)
     seen = set()
@@ -278,7 +289,7 @@ def test_a_kill_during_export_force_leaves_the_old_or_the_new_export(two_exports
         out = tmp_path / f"run{n}" / "out"
         out.parent.mkdir()
         shutil.copytree(root / "ref-a", out)
-        (out / "README.md").write_text("the user's notes")
+        (out / "NOTES.md").write_text("the user's notes")
         calls: list[str] = []
         with monkeypatch.context() as m:
             _kill_at(m, n, calls)
@@ -287,15 +298,15 @@ def test_a_kill_during_export_force_leaves_the_old_or_the_new_export(two_exports
                 finished = True
             except _Killed:
                 finished = False
-        now = {k: v for k, v in _files(out).items() if k != "README.md"}
+        now = {k: v for k, v in _files(out, out, root / "ref-a").items() if k != "NOTES.md"}
         if not now:  # the two-rename route, killed between its renames: the old export waits aside, complete
-            assert not exchange and _files(io_mod.aside_dir(out)) == old | {"README.md": b"the user's notes"}
+            assert not exchange and _files(io_mod.aside_dir(out), out, root / "ref-a") == old | {"NOTES.md": b"the user's notes"}
         else:
             assert now in (old, new), (n, calls)
             seen.add("old" if now == old else "new")
         restore_dir(out)  # what the next export does first
-        now = _files(out)
-        assert now.pop("README.md") == b"the user's notes"
+        now = _files(out, out, root / "ref-a")
+        assert now.pop("NOTES.md") == b"the user's notes"
         assert now in (old, new), (n, calls)
         if finished:
             assert now == new and not list(out.parent.glob(".out.*")), list(out.parent.iterdir())

@@ -104,8 +104,8 @@ def export_drafter(
     state = {k: _convert(k, v, target_dtype) for k, v in state.items()}
     _set_dtype(config, target_dtype, fmt)
     manifest = _export_manifest(ckpt, fmt, sorted(state), target_dtype, embedded, num_speculative_tokens)
-    _write(out, config, state, manifest, overwrite)
-    _write_card(out, fmt, ckpt, drafter, verifier, num_speculative_tokens, card)
+    facts = _card_facts(out, fmt, ckpt, drafter, verifier, num_speculative_tokens, card)
+    _write(out, config, state, manifest, overwrite, facts)
     for n in notes:
         warnings.warn(n, stacklevel=2)
     return ExportReport(
@@ -363,11 +363,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: dict, overwrite: bool) -> None:
-    """Write config, weights and manifest into a new sibling directory, then swap it in as one step: a kill at
-    any point leaves the old export or the new one, never new weights under an old config (whose aux ids may
-    differ, which no loader would notice). Refuse to mix with another checkpoint's files."""
+def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: dict, overwrite: bool,
+           card: dict | None = None) -> None:
+    """Write config, weights, manifest and model card into a new sibling directory, then swap it in as one step: a
+    kill at any point leaves the old export or the new one, never new weights under an old config or card (whose
+    aux ids may differ, which no loader would notice). Refuse to mix with another checkpoint's files."""
     from safetensors.torch import save as st_save
+
+    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, write_card
 
     if out.is_symlink():  # the swap replaces a directory: the one the link names, not the link
         out = out.resolve()
@@ -386,25 +389,31 @@ def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: di
         atomic_write(staging / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
         atomic_write(staging / "config.json", (json.dumps(config, indent=2) + "\n").encode())
         atomic_write(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
+        if card is not None:
+            write_card(staging, card)
         if out.is_dir():
-            carry_over(out, staging, skip=ours)
+            # A README.md that no export wrote is the user's: kept (the card's facts are in drafter_card.json).
+            users_readme = (out / CARD_FILE).exists() and not (out / CARD_JSON).exists()
+            if users_readme and card is not None:
+                (staging / CARD_FILE).unlink()
+            carry_over(out, staging, skip=ours | {CARD_JSON} | (set() if users_readme else {CARD_FILE}))
         replace_dir(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_card(out: Path, fmt: str, ckpt: DrafterCheckpoint, drafter, verifier: str | None, k: int,
-                card: dict | None) -> None:
-    """README.md + drafter_card.json: what the drafter should accept and how to serve it (stages/export/card.py)."""
-    from draftsmith.stages.export.card import base_model_of, card_facts, write_card
+def _card_facts(out: Path, fmt: str, ckpt: DrafterCheckpoint, drafter, verifier: str | None, k: int,
+                card: dict | None) -> dict:
+    """The model card's facts: what the drafter should accept and how to serve it (stages/export/card.py)."""
+    from draftsmith.stages.export.card import base_model_of, card_facts
 
     extra = dict(card or {})
     base = extra.pop("base_model", None) or base_model_of(verifier)
     source = drafter if isinstance(drafter, (str, Path)) else None
     files = ["config.json", WEIGHTS_FILE, MANIFEST_FILE]
-    write_card(out, card_facts(fmt=fmt, out=out, drafter_config=ckpt.config, source=source, base_model=base,
-                               num_speculative_tokens=k, files=files, d2t=ckpt.state.get("d2t"), **extra))
+    return card_facts(fmt=fmt, out=out, drafter_config=ckpt.config, source=source, base_model=base,
+                      num_speculative_tokens=k, files=files, d2t=ckpt.state.get("d2t"), **extra)
 
 
 def target_embeddings(target: str | Path, dtype: torch.dtype | None = None) -> torch.Tensor:
