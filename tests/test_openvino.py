@@ -121,14 +121,14 @@ def test_ir_read_back_checks_layers_and_d2t_as_int64_offsets(tiny):
     assert d2t[1] == 2 and ckpt.state["d2t"].dtype == torch.int64  # draft id 1 is target id 3: an offset of 2
     ids = [i - 1 for i in ckpt.config.aux_layer_ids]
     good = {"rt_info": {"eagle3_mode": "True", "hidden_layers_list": " ".join(map(str, ids))},
-            "d2t": {"type": "<Type: 'int64_t'>", "values": d2t}}
-    assert _check_ir(good, ids, ckpt) == "<Type: 'int64_t'>"
+            "d2t": {"type": "i64", "values": d2t}}
+    assert _check_ir(good, ids, ckpt) == "i64"
     bad_cases = [
         ({**good, "rt_info": {"eagle3_mode": "True"}}, "reads back as"),
         ({**good, "rt_info": {"hidden_layers_list": "1 2 3"}}, "eagle3_mode"),
         ({**good, "d2t": None}, "no d2t"),
-        ({**good, "d2t": {"type": "<Type: 'int32_t'>", "values": d2t}}, "int64"),
-        ({**good, "d2t": {"type": "<Type: 'int64_t'>", "values": [i + x for i, x in enumerate(d2t)]}}, "differs"),
+        ({**good, "d2t": {"type": "i32", "values": d2t}}, "int64"),
+        ({**good, "d2t": {"type": "i64", "values": [i + x for i, x in enumerate(d2t)]}}, "differs"),
     ]
     for seen, match in bad_cases:
         with pytest.raises(ExportError, match=match):

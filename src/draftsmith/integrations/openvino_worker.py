@@ -104,12 +104,13 @@ def inspect_draft(req: dict) -> dict:
     rt = {}
     for key in ("eagle3_mode", "hidden_layers_list"):
         if model.has_rt_info(key):
-            rt[key] = str(model.get_rt_info(key))
+            value = model.get_rt_info(key)  # an OVAny
+            rt[key] = str(value.astype(str) if hasattr(value, "astype") else value)
     d2t = None
     for result in model.get_results():
         node = result.input_value(0).get_node()
         if node.get_type_name() == "Constant" and "d2t" in node.get_friendly_name():
-            d2t = {"type": str(node.get_element_type()), "values": [int(x) for x in node.get_data().ravel()]}
+            d2t = {"type": node.get_element_type().get_type_name(), "values": [int(x) for x in node.get_data().ravel()]}
     return {"rt_info": rt, "d2t": d2t, "inputs": [p.get_any_name() for p in model.inputs],
             "versions": _versions()}
 
