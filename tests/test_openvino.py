@@ -237,3 +237,16 @@ def test_bench_openvino_counts_like_llamacpp():
     assert p["acceptance_length"] == 1.0 and p["tokens_per_second"] == 100.0
     assert s["acceptance_length"] == 2.0 and s["tokens_per_second"] == 200.0  # 4 tokens after the first: 2 passes
     assert s["same_as_plain"] == "1/2" and s["draft_share"] == 0.1
+
+
+def test_export_openvino_cli_refusals(tiny, capsys):
+    from draftsmith.cli import main
+
+    d = tiny["root"] / "cli-drafter"
+    tiny["drafter"].save(d)
+    base = ["export", "--drafter", str(d), "--format", "openvino", "--out", str(tiny["root"] / "cli-out")]
+    assert main(base) == 2 and "needs --target" in capsys.readouterr().err
+    assert main([*base, "--target", str(tiny["target_dir"]), "--export-dtype", "float16"]) == 2
+    assert "--openvino-weights" in capsys.readouterr().err
+    assert main([*base, "--target", str(tiny["target_dir"]), "--include-embeddings"]) == 2
+    assert not (tiny["root"] / "cli-out").exists()

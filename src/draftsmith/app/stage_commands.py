@@ -371,6 +371,9 @@ def _export_openvino(args) -> int:
     if not args.target:
         raise UsageError("--format openvino needs --target: the target's Hugging Face folder (or 'smollm2'), whose "
                          "embedding and tokenizer go into the draft and which is converted too")
+    if args.export_dtype != "bfloat16":
+        raise UsageError("--format openvino converts in float32 and takes its weight format from --openvino-weights; "
+                         "drop --export-dtype")
     if args.include_embeddings:
         raise UsageError("--format openvino always carries the target's embedding (GenAI copies it anyway); drop "
                          "--include-embeddings")
