@@ -205,7 +205,7 @@ def test_doctor_openvino_cli_exit_codes(tiny, capsys):
 
 # --- bench --engine openvino: flags and counters -----------------------------------------------------------------
 def _bench_args(**kw):
-    base = dict(shape=None, hybrid=None, prompt_lookup=None, hybrid_min_ngram=None, readme=None,
+    base = dict(shape=None, hybrid=None, prompt_lookup="3", hybrid_min_ngram=None, readme=None,
                 readme_section="bench", dtype=None, aux_layers=None, device=None, draft_max=None, chain=None,
                 tree=None, threads=1, temperature="0", out="runs/x")
     return argparse.Namespace(**(base | kw))
@@ -217,7 +217,9 @@ def test_bench_openvino_args():
     assert check_openvino_args(_bench_args()) == ([3], None)
     assert check_openvino_args(_bench_args(draft_max="1,2", tree="3,2,6")) == ([1, 2], (3, 2, 6))
     assert check_openvino_args(_bench_args(tree="3,2,6")) == ([], (3, 2, 6))
-    for kw, match in ((dict(shape="auto"), "--shape"), (dict(temperature="1"), "greedy"),
+    assert check_openvino_args(_bench_args(prompt_lookup="0")) == ([3], None)
+    for kw, match in ((dict(shape="auto"), "--shape"), (dict(prompt_lookup="5"), "--prompt-lookup"),
+                      (dict(temperature="1"), "greedy"),
                       (dict(tree="2,2,9"), "TOTAL"), (dict(draft_max="2", chain=2), "not both"),
                       (dict(device="cuda"), "--device")):
         with pytest.raises(UsageError, match=match):

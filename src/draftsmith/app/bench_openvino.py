@@ -23,7 +23,7 @@ from draftsmith.core.conventions import ConventionError
 from draftsmith.core.errors import UsageError
 
 # bench's flags that only the draftsmith engine uses, with their defaults: refused rather than silently dropped.
-UNUSED_FLAGS = (("shape", "--shape", None), ("hybrid", "--hybrid", None), ("prompt_lookup", "--prompt-lookup", None),
+UNUSED_FLAGS = (("shape", "--shape", None), ("hybrid", "--hybrid", None), ("prompt_lookup", "--prompt-lookup", "3"),
                 ("hybrid_min_ngram", "--hybrid-min-ngram", None), ("readme", "--readme", None),
                 ("readme_section", "--readme-section", "bench"), ("dtype", "--dtype", None),
                 ("aux_layers", "--aux-layers", None))
@@ -135,7 +135,7 @@ def check_openvino_args(args) -> tuple[list[int], tuple[int, int, int] | None]:
     """The chain lengths and tree to measure, after refusing what this engine cannot honour."""
     from draftsmith.app.args import parse_ints
 
-    given = [flag for dest, flag, default in UNUSED_FLAGS if getattr(args, dest, default) not in (default, 0)]
+    given = [flag for dest, flag, default in UNUSED_FLAGS if getattr(args, dest, default) not in (default, 0, "0")]
     if getattr(args, "device", None) not in (None, "auto", "cpu"):
         given.append("--device")
     if given:
