@@ -82,9 +82,8 @@ def test_fix_layer_ids_rewrites_the_file(tmp_path):
 
 
 def test_tree_kv_cache_precision():
-    assert facts.kv_cache_precision(tree=False) == "f16"
-    assert facts.kv_cache_precision(tree=True) == "u8"
-    assert facts.kv_cache_precision(tree=True, requested="f32") == "f32"
+    assert facts.kv_cache_precision(tree=False) == "f32" == facts.kv_cache_precision(tree=True)
+    assert facts.kv_cache_precision(tree=False, requested="f16") == "f16"
     with pytest.raises(ConventionError, match="wrong output"):
         facts.kv_cache_precision(tree=True, requested="f16")
 

@@ -5,8 +5,9 @@ answer): each prompt is rendered with the target's chat template and sent as tok
 it in turn (plain, EAGLE-3 chains at each k, the tree), so machine noise hits them alike. Greedy, f32 compute (in
 bf16 GenAI matches itself nowhere token for token). Speed is GenAI's decode rate (generate time less time to first
 token, which every method pays alike); tau comes from GenAI's counters (accepted draft tokens over verify passes,
-as ``bench --engine llamacpp`` counts them). Trees decode over a u8 KV cache: the default f16 gives wrong output
-(core/openvino_facts.py). The decoding runs in OpenVINO's own environment (integrations/openvino.py).
+as ``bench --engine llamacpp`` counts them). Every method decodes over an f32 KV cache: over the default f16 trees
+give wrong output, over u8 a third of the speculative outputs left plain's (core/openvino_facts.py). The decoding
+runs in OpenVINO's own environment (integrations/openvino.py).
 """
 
 from __future__ import annotations
