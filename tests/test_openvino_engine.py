@@ -85,7 +85,7 @@ def world(tmp_path_factory):
                 target_ir=openvino_target("smollm2"), report=report)
 
 
-def _decode(world, draft, methods, kv="f16"):
+def _decode(world, draft, methods, kv=facts.DEFAULT_KV_PRECISION):
     return run_worker({"op": "decode", "target": str(world["target_ir"]), "draft": str(draft),
                        "prompts": world["prompts"], "methods": methods, "max_new_tokens": NEW_TOKENS,
                        "eos": world["eos"], "threads": 1, "inference_precision": "f32", "kv_cache_precision": kv},
