@@ -9,7 +9,7 @@ VLLM_BASE_STAMP := $(VLLM_VENV)/.draftsmith-installed
 VLLM_STAMP := $(VLLM_VENV)/.speculators-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-oldest lint bench clean-venv vllm-env docs
+.PHONY: demo test test-slow test-oldest lint bench clean-venv vllm-env openvino-env docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,7 +61,26 @@ $(VLLM_STAMP): $(VLLM_BASE_STAMP)
 
 vllm-env: $(VLLM_STAMP)
 
-test-slow: $(STAMP) $(VLLM_STAMP)
+# OpenVINO GenAI (a third CPU engine for EAGLE-3 drafters) in its own venv: `export --format openvino` converts in it
+# and `bench --engine openvino` decodes in it, in subprocesses. torch first and pinned to the CPU wheel (an unpinned
+# resolve pulls CUDA); optimum-intel's exporter also imports diffusers and einops; torchvision breaks its imports.
+OV_VENV := .venv-openvino
+OV_STAMP := $(OV_VENV)/.draftsmith-installed
+$(OV_STAMP): pyproject.toml
+	[ -x $(OV_VENV)/bin/python ] || $(PYTHON) -m venv $(OV_VENV)
+	$(OV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OV_VENV)/bin/python -m pip install -q torch==2.13.0
+	echo 'torch==2.13.0' > $(OV_VENV)/ov-pins.txt
+	$(OV_VENV)/bin/python -m pip install -q -c $(OV_VENV)/ov-pins.txt openvino-genai==2026.4.1.0 \
+		optimum-intel==2.2.0 diffusers einops
+	$(OV_VENV)/bin/python -m pip uninstall -q -y torchvision || true
+	$(OV_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(OV_STAMP)
+
+openvino-env: $(OV_STAMP)
+
+# OpenVINO's env costs ~2.5 min to build and its slow test ~11 min with the target's conversion (2-core box, loaded).
+test-slow: $(STAMP) $(VLLM_STAMP) $(OV_STAMP)
 	# pytest exits 5 when no test carries the marker yet; that is not a failure.
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -300,7 +300,8 @@ def test_a_kill_during_export_force_leaves_the_old_or_the_new_export(two_exports
                 finished = False
         now = {k: v for k, v in _files(out, out, root / "ref-a").items() if k != "NOTES.md"}
         if not now:  # the two-rename route, killed between its renames: the old export waits aside, complete
-            assert not exchange and _files(io_mod.aside_dir(out), out, root / "ref-a") == old | {"NOTES.md": b"the user's notes"}
+            aside = _files(io_mod.aside_dir(out), out, root / "ref-a")
+            assert not exchange and aside == old | {"NOTES.md": b"the user's notes"}
         else:
             assert now in (old, new), (n, calls)
             seen.add("old" if now == old else "new")

@@ -117,13 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the README section between <!-- NAME:start --> and <!-- NAME:end --> (default bench)")
     p.add_argument("--train-conversations", action="append", default=[], metavar="FILE",
                    help="the drafter's training conversations: warn about measured prompts found in them")
-    p.add_argument("--engine", choices=["draftsmith", "llamacpp"], default="draftsmith",
+    p.add_argument("--engine", choices=["draftsmith", "llamacpp", "openvino"], default="draftsmith",
                    help="draftsmith: the in-process PyTorch decoder (default); llamacpp: llama.cpp via xllamacpp "
                         "(--target a .gguf or smollm2; --drafter a drafter .gguf or directory, exported on the fly): "
-                        "plain, EAGLE-3 at each --draft-max and n-gram lookup at each --prompt-lookup, greedy")
+                        "plain, EAGLE-3 at each --draft-max and n-gram lookup at each --prompt-lookup, greedy; "
+                        "openvino: OpenVINO GenAI in .venv-openvino (--target a Hugging Face folder or smollm2; "
+                        "--drafter a draft IR or directory, converted on the fly): plain, EAGLE-3 chains at each "
+                        "--draft-max and the --tree DEPTH,TOPK,TOTAL, greedy, f32, first turns")
     p.add_argument("--draft-max", default=None, metavar="K[,K...]",
                    help="llamacpp: EAGLE-3 chain lengths to measure (llama.cpp's --draft-max; default --chain or 3)")
-    p.add_argument("--threads", type=int, default=1, help="llamacpp: CPU threads per engine (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="llamacpp, openvino: CPU threads per engine (default 1)")
+    p.add_argument("--openvino-weights", choices=["fp32", "fp16", "int8"], default="fp32",
+                   help="openvino: the target IR's weight format (converted once into draftsmith's cache; "
+                        "default fp32)")
+    p.add_argument("--openvino-python", default=None, metavar="PYTHON",
+                   help="openvino: the Python of OpenVINO's environment (default .venv-openvino)")
     p.add_argument("--verbose", action="store_true", help="llamacpp: show llama.cpp's own log on stderr (model "
                    "loading and every request; quiet by default)")
     add_progress_arg(p)
@@ -175,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # train resolves its own device (config files name it too); llama.cpp's bench runs on the CPU and refuses
         # a --device it was given.
-        if getattr(args, "device", None) is not None and getattr(args, "engine", None) != "llamacpp":
+        engine = getattr(args, "engine", None)
+        if getattr(args, "device", None) is not None and engine not in ("llamacpp", "openvino"):
             from draftsmith.core.device import resolve_device
 
             args.device = resolve_device(args.device)
@@ -246,6 +255,10 @@ def _bench(args, argv: list[str]) -> int:
         if not args.drafter:
             raise UsageError("--engine llamacpp measures a saved drafter: give --drafter")
         return bench_llamacpp_command(args)
+    if args.engine == "openvino":
+        from draftsmith.app.bench_openvino import bench_openvino_command
+
+        return bench_openvino_command(args)
     lookup_ks = parse_ints(args.prompt_lookup) or []
     if any(k < 0 for k in lookup_ks):
         raise UsageError(f"--prompt-lookup must be >= 0 (0 skips it), got {args.prompt_lookup}")

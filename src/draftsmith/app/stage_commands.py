@@ -281,12 +281,14 @@ def add_export_parsers(sub) -> None:
                                    "engine's loader expects it: weight names, aux layer id convention, config "
                                    "fields. Writes config.json, model.safetensors and draftsmith-export.json.")
     p.add_argument("--drafter", required=True, metavar="DIR", help="drafter directory")
-    p.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators", "gguf"],
+    p.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators", "gguf", "openvino"],
                    help="sglang: EAGLE-3 HF layout (midlayer.*, eagle_config ids one lower; vLLM reads it too); "
                         "vllm: --speculative-config model dir; speculators: `vllm serve DIR` works; "
                         "gguf: one EAGLE-3 .gguf for llama.cpp (--model-draft; needs --target, the target's .gguf); "
                         "a DFlash/DSpark drafter gets the same formats in its kind's layout (sglang: DeepSpec's; "
-                        "gguf: arch dflash)")
+                        "gguf: arch dflash); "
+                        "openvino: the draft IR for OpenVINO GenAI's draft_model() (needs --target, its Hugging Face "
+                        "folder or smollm2, converted too; runs in .venv-openvino: make openvino-env)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory (new or empty); gguf: a .gguf file, or a directory for drafter.gguf")
     p.add_argument("--export-dtype", choices=["bfloat16", "float16", "float32", "q8_0"], default="bfloat16",
@@ -303,6 +305,11 @@ def add_export_parsers(sub) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
                    help="draft tokens per step: speculators writes it into the config; the printed serve line "
                         "uses it (gguf: llama.cpp's --draft-max) (default 3)")
+    p.add_argument("--openvino-weights", choices=["fp32", "fp16", "int8"], default="fp32",
+                   help="openvino: weight format of the draft and target IRs (optimum-cli --weight-format; default "
+                        "fp32)")
+    p.add_argument("--openvino-python", default=None, metavar="PYTHON",
+                   help="openvino: the Python of OpenVINO's environment (default .venv-openvino)")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
     p.add_argument("--license", default=None, metavar="ID",
                    help="the model card's license (a hub license id, e.g. apache-2.0); default: none stated")
@@ -348,6 +355,8 @@ def export(args) -> int:
         return _export_block(args)
     if args.format == "gguf":
         return _export_gguf(args)
+    if args.format == "openvino":
+        return _export_openvino(args)
     if args.export_dtype == "q8_0":
         raise UsageError(f"--export-dtype q8_0 is for --format gguf (llama.cpp's blocks); {args.format} takes "
                          "bfloat16, float16 or float32")
@@ -444,6 +453,29 @@ def _export_gguf(args) -> int:
                          card=_card_extra(args))
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return _push(args, report.path.parent)
+
+
+def _export_openvino(args) -> int:
+    from draftsmith.integrations.openvino import OpenVinoError
+    from draftsmith.stages.export.openvino import export_openvino
+
+    if not args.target:
+        raise UsageError("--format openvino needs --target: the target's Hugging Face folder (or 'smollm2'), whose "
+                         "embedding and tokenizer go into the draft and which is converted too")
+    if args.export_dtype != "bfloat16":
+        raise UsageError("--format openvino converts in float32 and takes its weight format from --openvino-weights; "
+                         "drop --export-dtype")
+    if args.include_embeddings:
+        raise UsageError("--format openvino always carries the target's embedding (GenAI copies it anyway); drop "
+                         "--include-embeddings")
+    try:
+        report = export_openvino(args.drafter, args.out, target=args.target, weight_format=args.openvino_weights,
+                                 overwrite=args.force, python=args.openvino_python, with_target=True)
+    except OpenVinoError as e:
+        raise UsageError(str(e)) from e
+    print(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(report).items()}) if args.json
+          else report.summary())
+    return 0
 
 
 def import_(args) -> int:

