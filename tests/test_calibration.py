@@ -65,7 +65,7 @@ def test_shape_auto_calibrates_on_the_held_out_prompts(tmp_path, monkeypatch):
     monkeypatch.setattr(shapes, "cached_acceptance", fake_acceptance)
     monkeypatch.setattr(shapes, "choose_shape", lambda acc, cost, cands, max_top_k=None: acc)
     target = SimpleNamespace(tokenizer=tok, device=torch.device("cpu"))
-    drafter = SimpleNamespace(config=SimpleNamespace(draft_vocab_size=64))
+    drafter = SimpleNamespace(kind="eagle3", config=SimpleNamespace(draft_vocab_size=64))
     _, _, acc = shapes.auto_shape(target, drafter, run / "best")
     expected = calibration_set(run / "best", tok)
     assert seen["prompts"] == expected.prompts and expected.held_out

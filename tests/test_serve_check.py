@@ -128,6 +128,7 @@ def test_serve_check_strict_stops_the_server(tmp_path, monkeypatch, capsys, mode
         port = s.getsockname()[1]
     fake_bin = tmp_path / "vllm"
     fake_bin.write_text("#!/bin/sh\nexit 0\n")  # never run: _launch is the stand-in
+    fake_bin.chmod(0o755)  # serve checks that --vllm-bin is an executable before anything else
     rc = serve_mod.serve(str(tmp_path / "target"), str(tmp_path / "drafter"), 3, port=port, check=mode,
                          vllm_bin=str(fake_bin))
     err = capsys.readouterr().err
