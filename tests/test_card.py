@@ -133,6 +133,7 @@ def test_push_to_hub_failure_is_one_line(tmp_path, monkeypatch, capsys):
                  "--push-to-hub", "not a repo"]) == 2
 
 
+@pytest.mark.slow  # decodes the held-out prompts: the slow suite
 def test_card_expectation_measured_by_decoding_held_out_prompts(tmp_path):
     """export --calibrate-target: the card's expected acceptance is a decode of the run's held-out prompts (training's
     simulated one kept beside it), and its chain-5 number is exactly what that decode accepts."""

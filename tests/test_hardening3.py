@@ -389,6 +389,7 @@ def test_gguf_without_tensors_is_refused_by_decode_capture_and_train(ggufs, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
 
 
+@pytest.mark.slow  # seconds of model loading / two torchrun ranks: the slow suite
 def test_gguf_missing_most_weights_is_refused_at_load(ggufs):
     from draftsmith.model.target import TargetError, load_target
 
@@ -539,6 +540,7 @@ def test_refused_grad_accum_leaves_no_out(ws, tmp_path, capsys):
 
 
 # --- torchrun: one summary; a resume by another process count is refused --------------------------------------
+@pytest.mark.slow  # seconds of model loading / two torchrun ranks: the slow suite
 def test_torchrun_prints_one_summary_and_a_resume_needs_the_same_ranks(ws, tmp_path):
     import socket as socket_mod
 
