@@ -28,7 +28,15 @@ from draftsmith import __version__
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.conventions import block_to_aux_layer_ids
 from draftsmith.core.errors import one_line
-from draftsmith.model.drafter import MLP, WEIGHTS_FILE, DrafterError, RMSNorm, RotaryEmbedding, rotate_half
+from draftsmith.model.drafter import (
+    MLP,
+    WEIGHTS_FILE,
+    DrafterError,
+    RMSNorm,
+    RotaryEmbedding,
+    rotate_half,
+    save_checkpoint,
+)
 from draftsmith.model.markov import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead, build_markov_head
 
 BLOCK_KINDS = ("dflash", "dspark")
@@ -421,19 +429,8 @@ class BlockDrafter(nn.Module):
     # --- persistence -----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """config.json + model.safetensors (d2t/t2d only for a reduced vocabulary, as EAGLE-3's save)."""
-        from safetensors.torch import save as st_save
-
-        from draftsmith.core.io import atomic_write
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        if self.config.draft_vocab_size == self.config.vocab_size:
-            state.pop("d2t"), state.pop("t2d")
-        atomic_write(path / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
-        text = json.dumps(self.config.to_config_dict(self.fc.weight.dtype), indent=2)
-        atomic_write(path / "config.json", text.encode())
-        return path
+        full = self.config.draft_vocab_size == self.config.vocab_size
+        return save_checkpoint(path, self, self.config.to_config_dict(self.fc.weight.dtype), full_vocab=full)
 
 
 def init_weights(drafter: BlockDrafter, std: float = 0.02) -> None:

@@ -380,17 +380,25 @@ class Eagle3Drafter(nn.Module):
 
     # --- persistence ---------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
+        full = self.config.draft_vocab_size == self.config.vocab_size
+        return save_checkpoint(path, self, self.config.to_hf_config(self.fc.weight.dtype), full_vocab=full)
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        if self.config.draft_vocab_size == self.config.vocab_size:
-            # A full vocabulary needs no mapping, and vLLM rejects a d2t it has no parameter for.
-            state.pop("d2t"), state.pop("t2d")
-        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps(self.config.to_hf_config(self.fc.weight.dtype), indent=2))
-        return path
+
+def save_checkpoint(path: str | Path, module: nn.Module, config: dict, *, full_vocab: bool) -> Path:
+    """A drafter of any kind as config.json + model.safetensors, each written atomically. A full vocabulary needs
+    no mapping, and vLLM rejects a d2t it has no parameter for: d2t/t2d are dropped then."""
+    from safetensors.torch import save as st_save
+
+    from draftsmith.core.io import atomic_write
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    if full_vocab:
+        state.pop("d2t"), state.pop("t2d")
+    atomic_write(path / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
+    atomic_write(path / "config.json", json.dumps(config, indent=2).encode())
+    return path
 
 
 def check_fits(cfg: DrafterConfig, target) -> None:
