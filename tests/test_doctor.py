@@ -262,15 +262,25 @@ def test_decoder_layers_found_from_transformers_source(name, path):
 
 def test_static_layer_path_agrees_with_a_real_model():
     """The ast reading of transformers' source names the same path find_decoder_layers finds on the module."""
+    import transformers
+    from packaging.version import Version
+
     from draftsmith.model.target import find_decoder_layers
     from draftsmith.testing.models import build_tiny_model
 
+    # transformers 5.17's multimodal wrappers build their layers where the ast reading does not follow (it says
+    # None, and doctor instantiates on the meta device instead, see the fallback test below); from 5.19 on it must
+    # find them too.
+    wrappers_read = Version(transformers.__version__) >= Version("5.19")
     hf = HFSource.installed()
     for arch in ("llama", "mixtral", "kimi_k25_wrapper", "gemma3_wrapper"):
         model = build_tiny_model(arch, num_hidden_layers=4)
         raw = model.config.to_dict()
         raw["architectures"] = [type(model).__name__]
-        assert hf.decoder_layers_path(raw) == find_decoder_layers(model, 4)[0], arch
+        found = hf.decoder_layers_path(raw)
+        if found is None and not wrappers_read and arch.endswith("_wrapper"):
+            continue
+        assert found == find_decoder_layers(model, 4)[0], arch
 
 
 def test_target_num_layers(tmp_path):

@@ -24,17 +24,25 @@ def hub_timeouts(connect: float = CONNECT_TIMEOUT_S, io: float = IO_TIMEOUT_S) -
     from huggingface_hub import set_client_factory
     from huggingface_hub.utils import _http
 
-    def factory():
-        import httpx2
+    http = _http_library()
 
-        return httpx2.Client(event_hooks={"request": [_http.hf_request_event_hook]}, follow_redirects=True,
-                             timeout=httpx2.Timeout(io, connect=connect))
+    def factory():
+        return http.Client(event_hooks={"request": [_http.hf_request_event_hook]}, follow_redirects=True,
+                           timeout=http.Timeout(io, connect=connect))
 
     set_client_factory(factory)
     try:
         yield
     finally:
         set_client_factory(_http.default_client_factory)
+
+
+def _http_library():
+    """The HTTP library huggingface_hub itself uses: httpx2 from its 2.x releases, httpx before (1.x, which the
+    oldest transformers this package supports brings)."""
+    from huggingface_hub.utils import _http
+
+    return getattr(_http, "httpx2", None) or _http.httpx
 
 
 def push_to_hub(folder: str | Path, repo_id: str, *, private: bool | None = None,
@@ -50,8 +58,9 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool | None = None
         raise ExportError(f"--push-to-hub {repo_id!r}: give a hub repo id, ORG/NAME")
     if not (folder / CARD_FILE).is_file() or not (folder / CARD_JSON).is_file():
         raise ExportError(f"{folder}: no model card to push (export writes {CARD_FILE} and {CARD_JSON})")
-    import httpx2
     from huggingface_hub.errors import HfHubHTTPError
+
+    http = _http_library()
 
     api = HfApi()
     try:
@@ -60,7 +69,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool | None = None
             info = api.upload_folder(repo_id=ref.repo_id, folder_path=str(folder), repo_type="model",
                                      commit_message=commit_message or "draftsmith export",
                                      ignore_patterns=[".*", "*.tmp"])
-    except (HfHubHTTPError, httpx2.HTTPError, OSError) as e:
+    except (HfHubHTTPError, http.HTTPError, OSError) as e:
         msg = " ".join(str(e).split())[:300]
         raise ExportError(f"--push-to-hub {ref.repo_id}: upload failed ({type(e).__name__}: {msg}); the export "
                           f"in {folder} is complete, rerun the push when the hub is reachable") from None
