@@ -351,6 +351,7 @@ def test_calibration_measures_lookup_and_round_trips(tmp_path, monkeypatch):
     assert Acceptance.from_dict(json.loads(json.dumps(acc.to_dict()))) == acc
 
 
+@pytest.mark.slow  # decodes sampled runs to compare with the calibration: the slow suite
 def test_sampled_calibration_matches_real_sampled_acceptance():
     """At T>0: a sampled chain's min(p, q) rate and a tree's top-k reach, calibrated on the target's own samples,
     match what chain-1 and a one-level tree accept when they decode (means over four seeds each)."""
