@@ -181,3 +181,16 @@ def load_vocab_file(path, vocab_size: int | None = None) -> tuple[DraftVocab, to
 def load_vocab(path, vocab_size: int | None = None) -> DraftVocab:
     """The validated ``d2t``/``t2d`` pair of a vocab file (see ``load_vocab_file``)."""
     return load_vocab_file(path, vocab_size)[0]
+
+
+def from_state(state: dict, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
+    """The draft vocabulary a saved drafter's weights carry: its d2t (t2d rebuilt from it when absent), or the
+    identity for a full vocabulary. One reading for every drafter kind."""
+    if "d2t" not in state:
+        return identity(vocab_size, draft_vocab_size)
+    d2t = state["d2t"].long()
+    t2d = state.get("t2d")
+    if t2d is None:
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[torch.arange(d2t.numel()) + d2t] = True
+    return DraftVocab(d2t=d2t, t2d=t2d.bool())

@@ -546,14 +546,7 @@ def load_block_drafter(path: str | Path, target=None, *, device=None, dtype: tor
         cfg.hidden_size != (target.embed_tokens.weight.shape[1] if target is not None else cfg.target_hidden_size))
     if not own:
         state.pop("embed_tokens.weight", None)
-    if "d2t" in state:
-        t2d = state.get("t2d")
-        if t2d is None:
-            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-            t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
-        dv = vocab_mod.DraftVocab(d2t=state["d2t"].long(), t2d=t2d.bool())
-    else:
-        dv = vocab_mod.identity(cfg.vocab_size, cfg.draft_vocab_size)
+    dv = vocab_mod.from_state(state, cfg.vocab_size, cfg.draft_vocab_size)
     state["d2t"], state["t2d"] = dv.d2t, dv.t2d
     drafter = BlockDrafter(cfg, draft_vocab=dv, own_embedding=own)
     try:

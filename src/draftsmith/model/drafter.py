@@ -510,14 +510,7 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype: torch.dty
         check_fits(cfg, target)
         if tuple(cfg.aux_layer_ids) != tuple(target.aux_layers):
             target.set_aux_hidden_state_layers(cfg.aux_layer_ids)
-    if "d2t" in state:
-        t2d = state.get("t2d")
-        if t2d is None:
-            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-            t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
-        dv = vocab_mod.DraftVocab(d2t=state["d2t"].long(), t2d=t2d.bool())
-    else:
-        dv = vocab_mod.identity(cfg.vocab_size, cfg.draft_vocab_size)
+    dv = vocab_mod.from_state(state, cfg.vocab_size, cfg.draft_vocab_size)
     state["d2t"], state["t2d"] = dv.d2t, dv.t2d
     drafter = Eagle3Drafter(cfg, draft_vocab=dv, own_embedding=own)
     mislabelled = norm_mismatches(cfg.norm_flags(), state, len(cfg.aux_layer_ids))
