@@ -4,7 +4,10 @@ For comparing a DSpark/DFlash run with an EAGLE-3 run trained on the same store:
 block drafters at blocks 1..their trained length; acceptance length counts the bonus token.
 
     python bench/block_vs_eagle3.py --target smollm2 --drafter runs/e3/best --drafter runs/dspark/best \
-        --limit 8 --max-new-tokens 96
+        --datasets mt-bench,humaneval --temperature 0,1 --limit 8 --max-new-tokens 96
+
+The field's protocol (the DSpark paper's): T=0 and T=1, EAGLE-3 at chains 1..7, acceptance length counting the
+bonus token; per-position acceptance is the share of rounds that accepted at least i+1 drafts.
 
 Measured 2026-12-06 (2-core CPU shared with ~6 other jobs, load 10-13; both runs at once under nice 10, OMP 1
 thread; SmolLM2-135M, store: 199 ShareGPT first turns cut at 512 tokens, aux layers 2,15,27, draft vocab 4096;
@@ -30,41 +33,59 @@ from draftsmith.data.prompts import load_prompts
 from draftsmith.model.kinds import load_any
 from draftsmith.model.target import load_target
 from draftsmith.stages.block_decode import BlockSpec
-from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
+from draftsmith.stages.decode import ChainSpec, SamplingParams, SpeculativeDecoder
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafter", action="append", required=True)
-    p.add_argument("--dataset", default="mt-bench")
+    p.add_argument("--datasets", default="mt-bench", help="comma-separated: mt-bench, humaneval, or JSONL paths")
+    p.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,1 (T>0: seeded sampling)")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--max-chain", type=int, default=4)
+    p.add_argument("--max-chain", type=int, default=7, help="EAGLE-3 chains 1..K (the field's protocol: 1..7)")
+    p.add_argument("--out", help="also write the rows to this JSONL file")
     args = p.parse_args()
     torch.manual_seed(0)
     target = load_target(args.target, dtype=torch.float32)
     tok = target.tokenizer
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
-                                           tokenize=False), add_special_tokens=False)["input_ids"]
-               for q in load_prompts(args.dataset, limit=args.limit)]
-    plain = [SpeculativeDecoder(target).generate(ids, args.max_new_tokens).token_ids for ids in prompts]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    drafters = [(path, load_any(path, target)) for path in args.drafter]
     rows = []
-    for path in args.drafter:
-        drafter = load_any(path, target)
-        kind = getattr(drafter, "kind", "eagle3")
-        ks = range(1, (args.max_chain if kind == "eagle3" else drafter.config.num_drafts) + 1)
-        for k in ks:
-            spec = ChainSpec(k) if kind == "eagle3" else BlockSpec(k)
-            taus, same = [], 0
-            for ids, ref in zip(prompts, plain, strict=True):
-                out = SpeculativeDecoder(target, drafter, spec).generate(ids, args.max_new_tokens)
-                taus.append(out.acceptance_length)
-                same += out.token_ids == ref
-            row = {"drafter": path, "kind": kind, "k": k, "tau": round(sum(taus) / len(taus), 3),
-                   "equal_to_plain": f"{same}/{len(prompts)}"}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for dataset in args.datasets.split(","):
+        prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False)["input_ids"]
+                   for q in load_prompts(dataset, limit=args.limit)]
+        for temperature in (float(t) for t in args.temperature.split(",")):
+            sampling = SamplingParams(temperature=temperature)
+            plain = [SpeculativeDecoder(target).generate(ids, args.max_new_tokens, sampling, eos,
+                                                         torch.Generator().manual_seed(i))
+                     for i, ids in enumerate(prompts)]
+            plain_tps = sum(len(r.token_ids) for r in plain) / sum(r.total_time for r in plain)
+            for path, drafter in drafters:
+                kind = getattr(drafter, "kind", "eagle3")
+                ks = range(1, (args.max_chain if kind == "eagle3" else drafter.config.num_drafts) + 1)
+                for k in ks:
+                    spec = ChainSpec(k) if kind == "eagle3" else BlockSpec(k)
+                    outs = [SpeculativeDecoder(target, drafter, spec).generate(ids, args.max_new_tokens, sampling,
+                                                                                eos, torch.Generator().manual_seed(i))
+                            for i, ids in enumerate(prompts)]
+                    rounds = sum(len(o.accepted_per_step) for o in outs)
+                    per_pos = [sum(o.accepted_per_position(k)[i] for o in outs) / max(rounds, 1) for i in range(k)]
+                    same = sum(o.token_ids == r.token_ids for o, r in zip(outs, plain, strict=True))
+                    tps = sum(len(o.token_ids) for o in outs) / sum(o.total_time for o in outs)
+                    row = {"dataset": dataset, "temperature": temperature, "drafter": path, "kind": kind, "k": k,
+                           # acceptance length over all rounds of all prompts, the bonus token counted
+                           "tau": round(1 + sum(sum(o.accepted_per_step) for o in outs) / max(rounds, 1), 3),
+                           "per_position": [round(x, 3) for x in per_pos],
+                           "tok_s": round(tps, 1), "speedup": round(tps / plain_tps, 3),
+                           "equal_to_plain": f"{same}/{len(prompts)}" if temperature == 0 else "-"}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
