@@ -48,6 +48,49 @@ def test_block_attention_sees_the_context_before_its_anchor_and_its_own_block():
     assert not torch.allclose(again[2], fast[2])  # the block anchored at 11 sees keys 5..10
 
 
+@pytest.mark.parametrize("path", ["flash", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_block_attention_merges_ragged_blocks_exactly(path, dtype, monkeypatch):
+    """Rows holding different numbers of blocks (one none), listed out of row order, anchored at 1 (one context
+    key) and at the last position (every key but one): the per-row layout and the log-sum-exp merge of each
+    block's own keys equal the dense per-block attention, values and every input's gradient, in the CPU flash
+    kernel and in the plain path that other devices take."""
+    from draftsmith.stages.train import block
+
+    if path == "plain":
+        monkeypatch.setattr(block, "_CPU_FLASH", None)
+    g = torch.Generator().manual_seed(1)
+    b, t, kv, heads, bs, d = 3, 11, 3, 6, 4, 16
+    rows, anchors = torch.tensor([2, 0, 2, 2, 0, 2]), torch.tensor([10, 1, 1, 5, 10, 6])
+    m = rows.numel()
+    q = torch.randn(m, heads, bs, d, generator=g, dtype=dtype, requires_grad=True)
+    k_blk, v_blk = (torch.randn(m, kv, bs, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(2))
+    k_ctx, v_ctx = (torch.randn(b, kv, t, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(2))
+    inputs = [q, k_blk, v_blk, k_ctx, v_ctx]
+    fast = block.block_attention(*inputs, rows, anchors)
+    ref = _dense_block_attention(*inputs, rows, anchors)
+    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(fast, ref, **tol)
+    up = torch.randn(fast.shape, generator=g, dtype=dtype)
+    for a, r in zip(torch.autograd.grad(fast, inputs, up), torch.autograd.grad(ref, inputs, up), strict=True):
+        torch.testing.assert_close(a, r, **tol)
+
+
+def test_block_attention_in_bf16_stays_close_to_the_exact_attention():
+    """Under bf16 autocast the kernel runs in bf16 and merges in float32: within bf16's rounding of the exact."""
+    from draftsmith.stages.train.block import block_attention
+
+    g = torch.Generator().manual_seed(2)
+    b, t, kv, heads, bs, d = 2, 40, 3, 9, 7, 64
+    rows, anchors = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([3, 30, 1, 20, 38])
+    inputs = [torch.randn(rows.numel(), heads, bs, d, generator=g), *(torch.randn(rows.numel(), kv, bs, d,
+              generator=g) for _ in range(2)), *(torch.randn(b, kv, t, d, generator=g) for _ in range(2))]
+    fast = block_attention(*(x.bfloat16() for x in inputs), rows, anchors)
+    ref = _dense_block_attention(*(x.double() for x in inputs), rows, anchors)
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.double(), ref, atol=3e-2, rtol=3e-2)
+
+
 def test_anchors_are_distinct_answer_positions_with_a_scored_first_label():
     answer = torch.zeros(3, 12, dtype=torch.bool)
     answer[0, 4:] = True  # answer tokens 4..11, length 12: candidates 4..10
