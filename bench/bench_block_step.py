@@ -170,6 +170,11 @@ def main() -> int:
     for key, ts in times.items():
         out[key] = {"min_s": round(min(ts), 3), "median_s": round(statistics.median(ts), 3)}
         print(f"{key:22s} min {min(ts):6.3f} s  median {statistics.median(ts):6.3f} s")
+    for name in {r[0] for r in rows}:  # old over new of the same round: adjacent in time, the same batch
+        if f"{name} old" in times and f"{name} new" in times:
+            ratios = [a / b for a, b in zip(times[f"{name} old"], times[f"{name} new"], strict=True)]
+            out[f"{name} old/new"] = {"min": round(min(ratios), 2), "median": round(statistics.median(ratios), 2)}
+            print(f"{name:22s} old/new per round: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x")
     print(json.dumps(out))
     return 0
 

@@ -175,6 +175,41 @@ def test_block_hidden_equals_the_models_training_pass(name):
             torch.testing.assert_close(fast[rows == r], ref, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("name", ["dspark", "dspark-fill-in-gated", "dspark-rnn"])
+def test_batched_greedy_drafts_are_decodings_wherever_the_acceptance_counts_read_them(name):
+    """The acceptance counts' drafts, from one batched Markov pass, equal the decoder's left-to-right greedy drafts
+    (each slot biased by the draft before it) up to and including the first slot whose earlier drafts all were the
+    target's choices, for every Markov head type; a strong Markov head, so that the previous token decides."""
+    from draftsmith.stages.train.block import greedy_drafts
+
+    d, _, _ = _case(name)
+    with torch.no_grad():
+        d.markov_head.markov_w1.weight.mul_(100.0)
+        d.markov_head.markov_w2.weight.mul_(300.0)
+    g = torch.Generator().manual_seed(3)
+    m, k, vd = 40, d.config.num_drafts, d.config.draft_vocab_size
+    hidden = torch.randn(m, k, d.config.hidden_size, generator=g, dtype=d.fc.weight.dtype)
+    base = d.logits(hidden).float().detach()
+    first = torch.randint(0, d.config.vocab_size, (m,), generator=g)
+    with torch.no_grad():  # the decoder's loop
+        prev, state, seq = first, None, []
+        for j in range(k):
+            bias, state = d.markov_bias(prev, hidden[:, j], state)
+            seq.append((base[:, j] + bias.float()).argmax(-1))
+            prev = d.to_target_ids(seq[-1])
+        seq = torch.stack(seq, dim=1)
+    with torch.no_grad():  # the previous token decides most drafts
+        other = (base[:, 0] + d.markov_bias(first.roll(1), hidden[:, 0])[0].float()).argmax(-1)
+    assert (other != seq[:, 0]).float().mean() > 0.5
+    assert torch.equal(greedy_drafts(d, base, hidden, first, seq), seq)  # the target chose every draft
+    choice = seq.clone()
+    miss = torch.randint(0, k, (m,), generator=g)  # each block's first miss
+    choice[torch.arange(m), miss] = (seq[torch.arange(m), miss] + 1) % vd
+    got = greedy_drafts(d, base, hidden, first, choice)
+    read = torch.arange(k)[None] <= miss[:, None]
+    assert torch.equal(got[read], seq[read])
+
+
 def _reference_loss(d, batch, teacher, spec, rows, anchors):
     """The block loss written out block by block and slot by slot (DeepSpec's definition, notes/block-training.md)."""
     probs, choice, in_draft = teacher
