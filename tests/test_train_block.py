@@ -48,6 +48,49 @@ def test_block_attention_sees_the_context_before_its_anchor_and_its_own_block():
     assert not torch.allclose(again[2], fast[2])  # the block anchored at 11 sees keys 5..10
 
 
+@pytest.mark.parametrize("path", ["flash", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_block_attention_merges_ragged_blocks_exactly(path, dtype, monkeypatch):
+    """Rows holding different numbers of blocks (one none), listed out of row order, anchored at 1 (one context
+    key) and at the last position (every key but one): the per-row layout and the log-sum-exp merge of each
+    block's own keys equal the dense per-block attention, values and every input's gradient, in the CPU flash
+    kernel and in the plain path that other devices take."""
+    from draftsmith.stages.train import block
+
+    if path == "plain":
+        monkeypatch.setattr(block, "_CPU_FLASH", None)
+    g = torch.Generator().manual_seed(1)
+    b, t, kv, heads, bs, d = 3, 11, 3, 6, 4, 16
+    rows, anchors = torch.tensor([2, 0, 2, 2, 0, 2]), torch.tensor([10, 1, 1, 5, 10, 6])
+    m = rows.numel()
+    q = torch.randn(m, heads, bs, d, generator=g, dtype=dtype, requires_grad=True)
+    k_blk, v_blk = (torch.randn(m, kv, bs, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(2))
+    k_ctx, v_ctx = (torch.randn(b, kv, t, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(2))
+    inputs = [q, k_blk, v_blk, k_ctx, v_ctx]
+    fast = block.block_attention(*inputs, rows, anchors)
+    ref = _dense_block_attention(*inputs, rows, anchors)
+    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(fast, ref, **tol)
+    up = torch.randn(fast.shape, generator=g, dtype=dtype)
+    for a, r in zip(torch.autograd.grad(fast, inputs, up), torch.autograd.grad(ref, inputs, up), strict=True):
+        torch.testing.assert_close(a, r, **tol)
+
+
+def test_block_attention_in_bf16_stays_close_to_the_exact_attention():
+    """Under bf16 autocast the kernel runs in bf16 and merges in float32: within bf16's rounding of the exact."""
+    from draftsmith.stages.train.block import block_attention
+
+    g = torch.Generator().manual_seed(2)
+    b, t, kv, heads, bs, d = 2, 40, 3, 9, 7, 64
+    rows, anchors = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([3, 30, 1, 20, 38])
+    inputs = [torch.randn(rows.numel(), heads, bs, d, generator=g), *(torch.randn(rows.numel(), kv, bs, d,
+              generator=g) for _ in range(2)), *(torch.randn(b, kv, t, d, generator=g) for _ in range(2))]
+    fast = block_attention(*(x.bfloat16() for x in inputs), rows, anchors)
+    ref = _dense_block_attention(*(x.double() for x in inputs), rows, anchors)
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.double(), ref, atol=3e-2, rtol=3e-2)
+
+
 def test_anchors_are_distinct_answer_positions_with_a_scored_first_label():
     answer = torch.zeros(3, 12, dtype=torch.bool)
     answer[0, 4:] = True  # answer tokens 4..11, length 12: candidates 4..10
@@ -130,6 +173,41 @@ def test_block_hidden_equals_the_models_training_pass(name):
             ref = d.forward_train(batch.aux_hidden_states[r:r + 1], batch.input_ids[r:r + 1],
                                   anchors[rows == r][None]).hidden[0]
             torch.testing.assert_close(fast[rows == r], ref, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["dspark", "dspark-fill-in-gated", "dspark-rnn"])
+def test_batched_greedy_drafts_are_decodings_wherever_the_acceptance_counts_read_them(name):
+    """The acceptance counts' drafts, from one batched Markov pass, equal the decoder's left-to-right greedy drafts
+    (each slot biased by the draft before it) up to and including the first slot whose earlier drafts all were the
+    target's choices, for every Markov head type; a strong Markov head, so that the previous token decides."""
+    from draftsmith.stages.train.block import greedy_drafts
+
+    d, _, _ = _case(name)
+    with torch.no_grad():
+        d.markov_head.markov_w1.weight.mul_(100.0)
+        d.markov_head.markov_w2.weight.mul_(300.0)
+    g = torch.Generator().manual_seed(3)
+    m, k, vd = 40, d.config.num_drafts, d.config.draft_vocab_size
+    hidden = torch.randn(m, k, d.config.hidden_size, generator=g, dtype=d.fc.weight.dtype)
+    base = d.logits(hidden).float().detach()
+    first = torch.randint(0, d.config.vocab_size, (m,), generator=g)
+    with torch.no_grad():  # the decoder's loop
+        prev, state, seq = first, None, []
+        for j in range(k):
+            bias, state = d.markov_bias(prev, hidden[:, j], state)
+            seq.append((base[:, j] + bias.float()).argmax(-1))
+            prev = d.to_target_ids(seq[-1])
+        seq = torch.stack(seq, dim=1)
+    with torch.no_grad():  # the previous token decides most drafts
+        other = (base[:, 0] + d.markov_bias(first.roll(1), hidden[:, 0])[0].float()).argmax(-1)
+    assert (other != seq[:, 0]).float().mean() > 0.5
+    assert torch.equal(greedy_drafts(d, base, hidden, first, seq), seq)  # the target chose every draft
+    choice = seq.clone()
+    miss = torch.randint(0, k, (m,), generator=g)  # each block's first miss
+    choice[torch.arange(m), miss] = (seq[torch.arange(m), miss] + 1) % vd
+    got = greedy_drafts(d, base, hidden, first, choice)
+    read = torch.arange(k)[None] <= miss[:, None]
+    assert torch.equal(got[read], seq[read])
 
 
 def _reference_loss(d, batch, teacher, spec, rows, anchors):

@@ -7,10 +7,10 @@ non-causally; nothing of other blocks. Slot ``k`` predicts ``x[a+k+1]`` (next-to
 (mask-fill slots, DFlash; the anchor's slot predicts nothing), and its teacher is the target's distribution at
 the position before its label. Facts and sources: notes/block-training.md.
 
-Attention runs block-sparse through the CPU flash kernel that the EAGLE-3 objective uses (``ttt_attention``):
-slot ``k`` of the block anchored at ``a`` becomes query row ``a - 1`` of a per-slot copy of the sequence, where
-the kernel's causal mask is exactly "context before the anchor", and the block's own keys ride along as the
-kernel's extra per-row keys. No ``[N*B, T + N*B]`` mask is ever built.
+Attention is computed on the blocks' own query rows only: one masked pass of the CPU flash kernel per sequence
+over its context (each block's ``B`` query rows see the keys before its anchor), and each block's ``B x B``
+scores over its own keys, merged with it by log-sum-exp as the EAGLE-3 objective merges its diagonal keys
+(model/ttt.py). No ``[N*B, T + N*B]`` mask is ever built, and no row without a query is computed.
 
 Loss (DeepSpec's): ``ce_weight * CE(target's choice) + l1_weight * ||p_draft - p_target||_1
 + confidence_weight * BCE(confidence, 1 - TV)``, each a mean weighted by ``exp(-j / gamma)`` for the ``j``-th
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.model.drafter import rotate_half
-from draftsmith.model.ttt import TTTBatch, TTTStats, ttt_attention
+from draftsmith.model.ttt import _CPU_FLASH, TTTBatch, TTTStats
 
 
 @dataclass(frozen=True)
@@ -94,27 +94,103 @@ def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k
                     v_ctx: torch.Tensor, rows: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """Each block's queries over the context before its anchor and over its own block, non-causally.
 
-    ``q`` ``[M, H, B, D]``, ``k_blk``/``v_blk`` ``[M, KV, B, D]``, ``k_ctx``/``v_ctx`` ``[b, KV, T, D]``;
-    returns ``[M, H, B, D]``. Slot ``k`` of block ``m`` is row ``anchors[m] - 1`` of copy ``k`` of its
-    sequence: the causal kernel gives it keys ``0 .. a-1``; the block's ``B`` keys are the extra per-row keys.
+    ``q`` ``[M, H, S, D]``, ``k_blk``/``v_blk`` ``[M, KV, S, D]``, ``k_ctx``/``v_ctx`` ``[b, KV, T, D]``;
+    returns ``[M, H, S, D]``. The blocks of a row are laid side by side as that row's ``n*S`` query rows (``n``:
+    the most blocks of any row; a row's unused places are padding anchored at 1, whose outputs are dropped):
+    one flash pass per row over its context with the mask "key before this block's anchor", and each block's
+    ``S x S`` scores over its own keys, merged by log-sum-exp (``_BlockFlashAttention``).
     """
-    m, n_heads, bs, d = q.shape
-    b, kv, t, _ = k_ctx.shape
-    at = (rows[:, None], torch.arange(bs, device=q.device)[None], slice(None), (anchors - 1)[:, None])
+    m, n_heads, s, d = q.shape
+    b, kv = k_ctx.shape[:2]
+    order = torch.argsort(rows, stable=True)
+    counts = torch.bincount(rows, minlength=b)
+    first = torch.cumsum(counts, 0) - counts
+    col = torch.empty_like(rows)
+    col[order] = torch.arange(m, device=rows.device) - first[rows[order]]  # each block's place in its row
+    n = int(counts.max())
+    at = (rows, col)
 
-    def spread(x: torch.Tensor, heads: int) -> torch.Tensor:  # [M, B(slot), heads, D] -> [b*B, heads, T, D]
-        out = x.new_zeros(b, bs, heads, t, d)
-        out[at] = x
-        return out.view(b * bs, heads, t, d)
+    def pad(x: torch.Tensor) -> torch.Tensor:  # [M, heads, S, D] -> [b, heads, n, S, D]
+        return x.new_zeros(b, n, *x.shape[1:]).index_put(at, x).transpose(1, 2)
 
-    q_rows = spread(q.transpose(1, 2), n_heads)
-    keys = [k_ctx[:, None].expand(b, bs, kv, t, d).reshape(b * bs, kv, t, d)]
-    values = [v_ctx[:, None].expand(b, bs, kv, t, d).reshape(b * bs, kv, t, d)]
-    for j in range(bs):  # block key j, seen by every slot of the block
-        keys.append(spread(k_blk[:, :, j][:, None].expand(m, bs, kv, d), kv))
-        values.append(spread(v_blk[:, :, j][:, None].expand(m, bs, kv, d), kv))
-    out = ttt_attention(q_rows, keys, values).view(b, bs, n_heads, t, d)
-    return out[at].transpose(1, 2)
+    starts = torch.ones(b, n, dtype=anchors.dtype, device=anchors.device).index_put(at, anchors)
+    mask = torch.arange(k_ctx.shape[2], device=q.device)[None, None, :] < starts[..., None]  # [b, n, T]
+    mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    mask = mask[:, None, :, None].expand(b, 1, n, s, mask.shape[-1]).reshape(b, 1, n * s, -1)
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        out = _BlockFlashAttention.apply(pad(q), k_ctx, v_ctx, pad(k_blk), pad(v_blk), mask)
+    else:
+        out = _block_attention_plain(pad(q), k_ctx, v_ctx, pad(k_blk), pad(v_blk), mask)
+    return out.transpose(1, 2)[at]
+
+
+def _block_attention_plain(q, k_ctx, v_ctx, k_blk, v_blk, mask):
+    """``_BlockFlashAttention`` in plain ops (devices without the CPU flash kernel)."""
+    b, h, n, s, d = q.shape
+    rep = h // k_ctx.shape[1]
+    kc, vc = k_ctx.repeat_interleave(rep, 1), v_ctx.repeat_interleave(rep, 1)
+    kb, vb = k_blk.repeat_interleave(rep, 1), v_blk.repeat_interleave(rep, 1)
+    scale = d ** -0.5
+    ctx = (q.reshape(b, h, n * s, d) @ kc.transpose(-1, -2)) * scale + mask  # [b, h, n*S, T]
+    own = (q @ kb.transpose(-1, -2)) * scale  # [b, h, n, S, S]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    probs = torch.cat([ctx.view(b, h, n, s, -1), own], dim=-1).to(acc).softmax(-1).to(q.dtype)
+    t = kc.shape[2]
+    out = (probs[..., :t].reshape(b, h, n * s, t) @ vc).view(b, h, n, s, d)
+    return out + probs[..., t:] @ vb
+
+
+class _BlockFlashAttention(torch.autograd.Function):
+    """The context part in the CPU flash kernel (masked), each block's own keys merged through its log-sum-exp.
+
+    As ``model/ttt.py``'s ``_FlashTTTAttention``: backward hands the kernel the merged output and log-sum-exp,
+    so its context gradients are normalised over all keys; the in-block gradients are ``S x S`` per block.
+    Shapes: ``q`` ``[b, H, n, S, D]``, ``k_ctx``/``v_ctx`` ``[b, KV, T, D]``, ``k_blk``/``v_blk``
+    ``[b, KV, n, S, D]``, ``mask`` ``[b, 1, n*S, T]`` additive (0 or -inf) in ``q``'s dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, mask):
+        b, h, n, s, d = q.shape
+        rep = h // k_ctx.shape[1]
+        scale = d ** -0.5
+        with torch.autocast("cpu", enabled=False):
+            kc, vc, kb, vb = (x.to(q.dtype).repeat_interleave(rep, 1) for x in (k_ctx, v_ctx, k_blk, v_blk))
+            out, lse = _CPU_FLASH[0](q.reshape(b, h, n * s, d), kc, vc, 0.0, False, attn_mask=mask, scale=scale)
+            acc = lse.dtype  # float32 (float64 for float64 inputs)
+            own = (q.to(acc) @ kb.to(acc).transpose(-1, -2)) * scale  # [b, h, n, S, S]
+            lse = lse.view(b, h, n, s)
+            merged = torch.logaddexp(lse, own.logsumexp(-1))
+            o = out.view(b, h, n, s, d).to(acc) * (lse - merged).exp()[..., None]
+            o = o + (own - merged[..., None]).exp() @ vb.to(acc)
+            out = o.to(q.dtype)
+        ctx.save_for_backward(q, out, merged, kc, vc, kb, vb, mask)
+        ctx.rep, ctx.scale = rep, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, out, lse, kc, vc, kb, vb, mask = ctx.saved_tensors
+        b, h, n, s, d = q.shape
+        rep, scale = ctx.rep, ctx.scale
+        with torch.autocast("cpu", enabled=False):
+            grad = grad.to(q.dtype).contiguous()
+            dq, dkc, dvc = _CPU_FLASH[1](grad.view(b, h, n * s, d), q.reshape(b, h, n * s, d), kc, vc,
+                                         out.view(b, h, n * s, d), lse.reshape(b, h, n * s), 0.0, False,
+                                         attn_mask=mask, scale=scale)
+            acc = lse.dtype
+            g, qa, ka, va = grad.to(acc), q.to(acc), kb.to(acc), vb.to(acc)
+            delta = (g * out.to(acc)).sum(-1)  # [b, h, n, S]
+            p = ((qa @ ka.transpose(-1, -2)) * scale - lse[..., None]).exp()  # [b, h, n, S, S]
+            ds = p * (g @ va.transpose(-1, -2) - delta[..., None])
+            dq = dq.view(b, h, n, s, d).to(acc) + scale * (ds @ ka)
+            dkb = scale * (ds.transpose(-1, -2) @ qa)
+            dvb = p.transpose(-1, -2) @ g
+
+        def fold(x: torch.Tensor) -> torch.Tensor:  # repeated heads' gradients summed onto their kv head
+            return x.to(acc).view(x.shape[0], h // rep, rep, *x.shape[2:]).sum(2).to(q.dtype)
+
+        return dq.to(q.dtype), fold(dkc), fold(dvc), fold(dkb), fold(dvb), None
 
 
 def _queries(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -200,7 +276,7 @@ def block_objective(drafter, batch: TTTBatch, teacher, spec: BlockSpec,
         bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
         total = total + spec.confidence_weight * _weighted_mean(bce, w)
     with torch.no_grad():
-        drafts = greedy_drafts(drafter, base, hidden, prev[:, 0]) if markov is not None else base.argmax(-1)
+        drafts = base.argmax(-1) if markov is None else greedy_drafts(drafter, base, hidden, prev[:, 0], t_choice)
         hit = (drafts == t_choice) & t_in & scored
         through = hit.int().cumprod(dim=1).bool()  # the first k+1 drafts all accepted
         reached = torch.cat([torch.ones_like(through[:, :1]), through[:, :-1]], dim=1) & scored
@@ -211,15 +287,16 @@ def block_objective(drafter, batch: TTTBatch, teacher, spec: BlockSpec,
 
 
 @torch.no_grad()
-def greedy_drafts(drafter, base: torch.Tensor, hidden: torch.Tensor, first_prev: torch.Tensor) -> torch.Tensor:
-    """Greedy drafts ``[M, D]`` (draft ids) with the Markov bias fed each previous draft, left to right."""
-    prev, state, out = first_prev, None, []
-    for k in range(base.shape[1]):
-        bias, state = drafter.markov_bias(prev, hidden[:, k], state)
-        pick = (base[:, k] + bias.float()).argmax(-1)
-        out.append(pick)
-        prev = drafter.to_target_ids(pick)
-    return torch.stack(out, dim=1)
+def greedy_drafts(drafter, base: torch.Tensor, hidden: torch.Tensor, first_prev: torch.Tensor,
+                  choice: torch.Tensor) -> torch.Tensor:
+    """Greedy drafts ``[M, D]`` (draft ids), the Markov bias fed each previous draft, wherever every earlier draft
+    was the target's choice (``choice``, draft ids): the only drafts the acceptance counts read.
+
+    There the previous draft *is* the target's choice, so every slot's Markov input is known up front and one
+    batched pass replaces ``D`` sequential ones; after a miss the drafts differ from decoding's and are unread.
+    """
+    prev = torch.cat([first_prev[:, None], drafter.to_target_ids(choice[:, :-1])], dim=1)
+    return (base + drafter.markov_head.block(prev, hidden).float()).argmax(-1)
 
 
 @dataclass(frozen=True)
