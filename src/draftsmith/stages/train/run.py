@@ -26,7 +26,6 @@ from draftsmith.stages.train.config import NORM_FIELDS, TrainConfig, TrainError,
 from draftsmith.stages.train.data import OnlineSource, StoreSource, first_samples, make_batches, split_eval
 from draftsmith.stages.train.kinds import block_overrides, check_drafter_layers, init_head, objective_for
 from draftsmith.stages.train.logs import MetricsLog, plot_run, progress_bar
-from draftsmith.stages.train.optim import build_optimizer
 from draftsmith.stages.train.loop import (
     Run,
     Teacher,
@@ -35,6 +34,7 @@ from draftsmith.stages.train.loop import (
     teardown_distributed,
     train_loop,
 )
+from draftsmith.stages.train.optim import build_optimizer
 from draftsmith.stages.train.precision import choose_autocast, measure_autocast
 
 LOCK_NAME = ".train.lock"
