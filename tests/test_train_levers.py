@@ -1,4 +1,5 @@
-"""The trainer's optimizer choice (AdamW, Muon + AdamW) and the EAGLE-3 step losses (kl, tv, nla, lk)."""
+"""The field's training levers: the optimizer (AdamW, Muon + AdamW), the EAGLE-3 step losses (kl, tv, nla, lk)
+and a draft vocabulary counted on the target's own choices."""
 
 from __future__ import annotations
 
@@ -226,3 +227,36 @@ def test_a_muon_run_under_torchrun_two_processes_gloo(store_workspace, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     blob = torch.load(tmp_path / "ddp" / "checkpoints" / "step-0000003" / "trainer_state.pt", weights_only=True)
     assert blob["optimizer"]["muon"]["state"]
+
+
+# --- the draft vocabulary counted on the target's own choices --------------------------------------------
+def test_vocab_from_target_counts_the_targets_greedy_choice_before_each_loss_position(store_workspace, tmp_path,
+                                                                                      capsys):
+    from draftsmith.cli import main
+    from draftsmith.core.vocab import load_vocab_file
+    from draftsmith.data.store import FeatureStore
+    from draftsmith.model.target import load_target_heads
+    from draftsmith.stages.capture import build_vocab
+
+    model, store = store_workspace
+    head = load_target_heads(str(model), dtype=torch.float32).lm_head_weight
+    fs = FeatureStore(store)
+    expected = torch.zeros(head.shape[0], dtype=torch.int64)
+    for s in fs:  # plainly: every position t whose token is a loss token, the full logits at t - 1
+        for t in range(1, len(s["input_ids"])):
+            if s["loss_mask"][t]:
+                expected[int((head @ s["hidden_state"][t - 1].float()).argmax())] += 1
+    report = build_vocab(store, 40, out=tmp_path / "t.safetensors", source="target", lm_head_weight=head)
+    vocab, counts, meta = load_vocab_file(tmp_path / "t.safetensors", head.shape[0])
+    assert torch.equal(counts, expected) and "argmax" in meta["counted"]
+    assert report.counted_tokens == int(expected.sum()) and vocab.draft_vocab_size == 40
+    with pytest.raises(ValueError, match="lm_head"):
+        build_vocab(store, 40, out=tmp_path / "x.safetensors", source="target")
+
+    capsys.readouterr()
+    out = tmp_path / "cli.safetensors"
+    assert main(["vocab", "--store", str(store), "--from", "target", "--target", str(model), "--draft-vocab-size",
+                 "40", "--out", str(out)]) == 0
+    assert torch.equal(load_vocab_file(out, head.shape[0])[1], expected)
+    assert main(["vocab", "--store", str(store), "--from", "target", "--out", str(out)]) == 2
+    assert "needs --target" in capsys.readouterr().err
