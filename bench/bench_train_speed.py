@@ -70,7 +70,8 @@ def worker(args) -> None:
                 torch.randn(n, 3 * width, generator=g).bfloat16(), torch.randn(n, width, generator=g).bfloat16())
                for n in lengths]
     batches = make_batches(list(range(len(lengths))), lengths, p["batch_tokens"], 0)
-    opt_cfg = SimpleNamespace(lr=p["lr"], weight_decay=0.0, warmup_steps=10, min_lr_ratio=0.1)
+    opt_cfg = SimpleNamespace(lr=p["lr"], weight_decay=0.0, warmup_steps=10, min_lr_ratio=0.1,
+                              optimizer=args.optimizer, muon_lr=None, muon_weight_decay=None)
     twin = copy.deepcopy(drafter)
     twin.bind_embeddings(embed)
     params_a = [q for q in drafter.parameters() if q.requires_grad]
@@ -104,7 +105,7 @@ def worker(args) -> None:
                   "step_s": [round(t, 4) for _, t in rows], "tokens": [n for n, _ in rows]}
            for name, rows in timed.items()}
     out["autocast"] = autocast
-    out["fused_adamw"] = bool(opt_b.defaults.get("fused"))
+    out["fused_adamw"] = bool(getattr(opt_b, "adamw", opt_b).defaults.get("fused"))
     print(json.dumps(out))
 
 
@@ -132,6 +133,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--autocast", choices=("auto", "bf16", "fp32"), default="auto")
+    ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                    help="the trainer's optimizer that 'this tree' builds (train --optimizer)")
     ap.add_argument("--out", default="out/bench_train_speed.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -139,7 +142,8 @@ def main() -> int:
         worker(args)
         return 0
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--steps", str(args.steps),
-           "--samples", str(args.samples), "--threads", str(args.threads), "--autocast", args.autocast]
+           "--samples", str(args.samples), "--threads", str(args.threads), "--autocast", args.autocast,
+           "--optimizer", args.optimizer]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:

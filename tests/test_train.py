@@ -149,12 +149,15 @@ def test_a_run_from_before_a_new_config_field_still_resumes():
     cfg = TrainConfig(store="s")
     before = {k: v for k, v in dataclasses.asdict(cfg).items()
               if k not in _RESUMABLE and k not in ("teacher_temperature", "train_on", "norm_before_fc", "fc_norm",
-                                                   "norm_output", "norm_before_residual", "kind", *BLOCK_FIELDS)}
+                                                   "norm_output", "norm_before_residual", "kind", *BLOCK_FIELDS,
+                                                   "optimizer", "muon_lr", "muon_weight_decay", "loss")}
     hashed_before = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
     assert config_hash(cfg) == hashed_before
     assert config_hash(dataclasses.replace(cfg, teacher_temperature=0.5)) != hashed_before
     assert config_hash(dataclasses.replace(cfg, train_on="all")) != hashed_before
     assert config_hash(dataclasses.replace(cfg, kind="dspark")) != hashed_before
+    assert config_hash(dataclasses.replace(cfg, optimizer="muon")) != hashed_before
+    assert config_hash(dataclasses.replace(cfg, loss="lk")) != hashed_before
 
 
 def test_train_on_all_trains_prompt_columns_too_and_never_padding():

@@ -202,6 +202,12 @@ def add_vocab_parser(sub) -> None:
     p.add_argument("--store", required=True, metavar="STORE_DIR", help="feature store written by capture")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="tokens to keep (default 32000)")
     p.add_argument("--out", default=None, metavar="FILE", help="default STORE_DIR/vocab.safetensors")
+    p.add_argument("--from", dest="source", choices=("data", "target"), default="data",
+                   help="count the store's tokens at loss positions (data) or the target's own greedy choice "
+                        "there (target: the tokens a drafter must propose at T=0; reads --target's lm_head and the "
+                        "store's final hidden states) (default data)")
+    p.add_argument("--target", default=None, help="with --from target: the store's target (model dir, .gguf "
+                                                  "or 'smollm2')")
     add_json_arg(p)
 
 
@@ -211,8 +217,16 @@ def vocab(args) -> int:
     from draftsmith.data.store import StoreError
     from draftsmith.stages.capture import build_vocab
 
+    head = None
+    if args.source == "target":
+        if not args.target:
+            raise UsageError("vocab --from target needs --target (the model whose lm_head gives its choices)")
+        head = _store_target_head(args.store, args.target)
+    elif args.target:
+        raise UsageError("--target is read only with --from target")
     try:
-        report = build_vocab(args.store, args.draft_vocab_size, out=args.out)
+        report = build_vocab(args.store, args.draft_vocab_size, out=args.out, source=args.source,
+                             lm_head_weight=head)
     except StoreError as e:
         raise UsageError(one_line(e)) from e
     except OSError as e:
@@ -221,6 +235,21 @@ def vocab(args) -> int:
         return fail(e, 1)
     print(json.dumps({**asdict(report), "path": str(report.path)}) if args.json else report.summary())
     return 0
+
+
+def _store_target_head(store: str, target: str):
+    """The target's lm_head (float32), after checking that the store was captured from it."""
+    import torch
+
+    from draftsmith.data.store import FeatureStore, StoreError, check_store_matches_target
+    from draftsmith.model.target import load_target_heads
+
+    heads = load_target_heads(target, dtype=torch.float32)
+    try:
+        check_store_matches_target(FeatureStore(store, verify_on_open=False), heads)
+    except StoreError as e:
+        raise UsageError(one_line(e)) from e
+    return heads.lm_head_weight
 
 
 # --- train -----------------------------------------------------------------------------------------------

@@ -217,9 +217,44 @@ class _FlashTTTAttention(torch.autograd.Function):
         return dq.to(q.dtype), None, *(fold(x) for x in dk), *(fold(x) for x in dv)
 
 
+LOSSES = ("kl", "tv", "nla", "lk")
+LK_ETA = 3.0  # the LK-lambda blend's rate: speculators' and the LK paper's best setting
+
+
+def draft_loss(logits: torch.Tensor, p: torch.Tensor, kind: str = "kl") -> torch.Tensor:
+    """The summed loss of draft logits ``[N, Vd]`` (float32 or wider) against the teacher's probabilities ``p``.
+
+    With ``q = softmax(logits)`` and ``alpha = sum_v min(p_v, q_v)``, the probability that speculative
+    sampling accepts the drafted token (``1 - alpha`` is the total variation ``0.5 * |p - q|_1``):
+
+    - ``kl``: soft cross-entropy ``-sum p log q``, KL(p || q) plus the teacher's entropy (KL's gradient);
+    - ``tv``: ``1 - alpha``, the rejection probability itself (speculators' ``tv``);
+    - ``nla``: ``-log alpha``, TV's optimum with a ``1 / alpha`` larger gradient (the LK paper's LK-alpha);
+    - ``lk``: ``lambda * KL(p || q) + (1 - lambda) * (1 - alpha)`` with ``lambda = exp(-3 alpha)`` per row,
+      held constant (no gradient): KL while the drafter is far from the target, the acceptance as it nears
+      it (the LK paper's LK-lambda, as speculators' ``lk_hybrid``).
+
+    Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for Speculative Decoding",
+    arXiv 2602.23881.
+    """
+    logq = logits.log_softmax(-1)
+    if kind == "kl":
+        return -(p * logq).sum()
+    alpha = torch.minimum(p, logq.exp()).sum(-1)
+    if kind == "tv":
+        return (1.0 - alpha).sum()
+    if kind == "nla":
+        return -alpha.clamp_min(1e-5).log().sum()
+    if kind == "lk":
+        kl = (torch.xlogy(p, p) - p * logq).sum(-1)
+        lam = torch.exp(-LK_ETA * alpha.detach())
+        return (lam * kl + (1.0 - lam) * (1.0 - alpha)).sum()
+    raise ValueError(f"unknown loss {kind!r}: one of {', '.join(LOSSES)}")
+
+
 def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int, decay: float = 0.8,
-                unroll_hidden: list | None = None) -> tuple[torch.Tensor, TTTStats]:
-    """Weighted TTT loss sum_i decay^i * CE_i and per-step accuracy counts.
+                unroll_hidden: list | None = None, loss: str = "kl") -> tuple[torch.Tensor, TTTStats]:
+    """Weighted TTT loss sum_i decay^i * L_i and per-step accuracy counts; ``loss`` names L (``draft_loss``).
 
     ``teacher`` is the tuple from ``teacher_targets``. Step i at column t predicts token t+2+i; it is
     trained where that token is an assistant token and the target's choice lies in the draft vocabulary.
@@ -255,7 +290,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int
         teacher_cols = cols + 1 + i
         logits = drafter.logits(h[rows, cols]).float()
         p = teacher_probs[rows, teacher_cols]
-        loss_i = -(p * logits.log_softmax(-1)).sum() / max(rows.numel(), 1)
+        loss_i = draft_loss(logits, p, loss) / max(rows.numel(), 1)
         total = total + decay**i * loss_i
         with torch.no_grad():
             stats.correct[i] = float((logits.argmax(-1) == teacher_argmax[rows, teacher_cols]).sum())

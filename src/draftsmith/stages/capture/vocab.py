@@ -37,6 +37,27 @@ def count_store_tokens(store: FeatureStore | str | Path, vocab_size: int) -> tor
     return counts
 
 
+def count_store_target_tokens(store: FeatureStore | str | Path, lm_head_weight: torch.Tensor,
+                              samples: list[int] | None = None) -> torch.Tensor:
+    """Counts of the target's own greedy choice for each loss position: the token it decodes there at T=0.
+
+    The store's final hidden state at position t-1, through the target's head, gives the target's choice for
+    position t, which is what the drafter must propose, while the dataset's token at t may be another
+    (a conversation written by someone else, or sampled). ``samples``: store indices (default every one).
+    """
+    from draftsmith.model.ttt import target_argmax
+
+    fs = _as_store(store)
+    counts = torch.zeros(lm_head_weight.shape[0], dtype=torch.int64)
+    for i in range(len(fs)) if samples is None else samples:
+        sample = fs.get(i)
+        before = sample["loss_mask"][1:].nonzero().flatten()  # the positions whose next token is a loss token
+        if before.numel():
+            choice = target_argmax(sample["hidden_state"][before], lm_head_weight)
+            counts += torch.bincount(choice, minlength=counts.numel())
+    return counts
+
+
 def _check_out(path: Path, fs: FeatureStore) -> None:
     """Refuse an ``--out`` that is one of the store's own files (its manifest, a shard, the writer's lock)."""
     from draftsmith.data.store import LOCK_NAME, MANIFEST_NAME
@@ -53,13 +74,19 @@ def _check_out(path: Path, fs: FeatureStore) -> None:
         raise VocabError(f"--out {path}: shard-* names in {fs.root} belong to the store")
 
 
+VOCAB_SOURCES = ("data", "target")
+
+
 def build_vocab(store: FeatureStore | str | Path, draft_vocab_size: int = 32000, *, out: str | Path | None = None,
-                vocab_size: int | None = None) -> VocabReport:
+                vocab_size: int | None = None, source: str = "data", lm_head_weight: torch.Tensor | None = None
+                ) -> VocabReport:
     """Keep the ``draft_vocab_size`` most frequent loss-position tokens; write ``d2t``/``t2d``/``counts``.
 
-    ``vocab_size`` (the target's lm_head size, which may exceed the tokenizer's length) defaults to the
-    one in the store's target fingerprint. The file goes to ``<store>/vocab.safetensors`` by default and
-    is re-read and validated before returning.
+    ``source``: ``data`` counts the store's tokens at loss positions; ``target`` the target's greedy choices
+    there (``count_store_target_tokens``, from ``lm_head_weight``, the target's head), the tokens a T=0
+    drafter must propose. ``vocab_size`` (the target's lm_head size, which may exceed the tokenizer's length)
+    defaults to the one in the store's target fingerprint. The file goes to ``<store>/vocab.safetensors`` by
+    default and is re-read and validated before returning.
     """
     from draftsmith.core.vocab import load_vocab_file
 
@@ -75,9 +102,18 @@ def build_vocab(store: FeatureStore | str | Path, draft_vocab_size: int = 32000,
         raise ValueError(f"{fs.root}: the store holds no loss tokens to count")
     path = Path(out) if out is not None else fs.root / VOCAB_FILE
     _check_out(path, fs)
-    counts = count_store_tokens(fs, vocab_size)
+    if source == "target":
+        if lm_head_weight is None or lm_head_weight.shape[0] != vocab_size:
+            raise ValueError(f"counting the target's choices needs its lm_head of {vocab_size} rows")
+        fs.verify_all()
+        counts = count_store_target_tokens(fs, lm_head_weight)
+        extra = {"counted": "the target's argmax at the position before each loss_mask == 1"}
+    elif source == "data":
+        counts = count_store_tokens(fs, vocab_size)
+        extra = {"counted": "input_ids at loss_mask == 1"}
+    else:
+        raise ValueError(f"vocabulary source {source!r}: one of {', '.join(VOCAB_SOURCES)}")
     vocab, coverage = from_counts(counts, draft_vocab_size)
-    extra = {"counted": "input_ids at loss_mask == 1"}
     for key in ("tokenizer_fingerprint", "target_fingerprint"):
         if key in fs.meta:
             extra[key] = json.dumps(fs.meta[key], sort_keys=True)

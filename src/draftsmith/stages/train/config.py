@@ -93,7 +93,20 @@ class TrainConfig:
                                      "many minutes of the run's start; the checkpoint keeps the plan", lo=0)
     batch_tokens: int = option(2048, "tokens per micro-batch (length-bucketed, right-padded)", lo=2)
     grad_accum: int = option(1, "micro-batches per optimizer step", lo=1, hi=1024, why=_ACCUM_WHY)
-    lr: float = option(1e-4, "peak learning rate (AdamW)", lo=0, lo_open=True)
+    lr: float = option(1e-4, "peak learning rate (AdamW; with --optimizer muon, of the parameters AdamW keeps)",
+                       lo=0, lo_open=True)
+    optimizer: str = option("adamw", "adamw, or muon: Muon (torch.optim.Muon) for the hidden 2-D weight matrices, "
+                                     "AdamW for the rest (embeddings, lm_head, Markov head, norms, biases), the "
+                                     "split speculators uses", choices=("adamw", "muon"))
+    muon_lr: float | None = option(None, "peak learning rate of the Muon matrices (default 10 * --lr, as "
+                                         "speculators; the update is scaled to AdamW's RMS)", lo=0, lo_open=True)
+    muon_weight_decay: float | None = option(None, "Muon's decoupled weight decay (default 0.1, speculators')",
+                                             lo=0)
+    loss: str = option("kl", "eagle3: the loss of each TTT step against the target's distribution p over the draft "
+                             "vocabulary: kl (soft cross-entropy, KL's gradient), tv (total variation 1 - sum "
+                             "min(p, q)), nla (-log sum min(p, q)) or lk (LK-lambda: lambda * KL + (1 - lambda) * TV, "
+                             "lambda = exp(-3 * sum min(p, q)) held constant); sum min(p, q) is the acceptance "
+                             "probability", choices=("kl", "tv", "nla", "lk"))
     warmup_steps: int = option(20, "linear learning-rate warm-up steps", lo=0)
     min_lr_ratio: float = option(0.1, "the cosine schedule ends at lr * min_lr_ratio", lo=0, hi=1)
     weight_decay: float = option(0.0, "AdamW weight decay", lo=0)
@@ -163,6 +176,9 @@ class TrainConfig:
             raise TrainError("give exactly one data source: store (offline) or conversations (online)")
         _check_norms(self)
         _check_kind(self)
+        muon = [k for k in ("muon_lr", "muon_weight_decay") if getattr(self, k) is not None]
+        if muon and self.optimizer != "muon":
+            raise TrainError(f"{', '.join(_flag(k) for k in muon)}: Muon option(s); add --optimizer muon")
 
     def block_option(self, name: str):
         """A block kind's option: its value, else the kind's default."""
@@ -278,6 +294,9 @@ def _check_kind(cfg: TrainConfig) -> None:
             raise TrainError(f"{', '.join(_flag(k) for k in dspark)}: dspark option(s) (a Markov or confidence head); "
                              "this run trains --kind dflash")
     if cfg.kind in BLOCK_KINDS:
+        if cfg.loss != "kl":
+            raise TrainError(f"--loss {cfg.loss}: an eagle3 option; a {cfg.kind} drafter trains on --ce-weight and "
+                             "--l1-weight (L1 is twice the total variation)")
         cfg.layer_ids()
         norms = [k for k in NORM_FIELDS if getattr(cfg, k)]
         if norms:
@@ -308,7 +327,8 @@ def _read_config_file(p: Path) -> dict:
 
 # Fields added after runs existed: hashed only off their default, so those runs still resume.
 _ADDED_LATER = {"teacher_temperature": 1.0, "train_on": "answers", "norm_before_fc": False, "fc_norm": False,
-                "norm_output": False, "norm_before_residual": False, "kind": "eagle3",
+                "norm_output": False, "norm_before_residual": False, "kind": "eagle3", "optimizer": "adamw",
+                "muon_lr": None, "muon_weight_decay": None, "loss": "kl",
                 **{k: None for k in BLOCK_FIELDS}}
 
 

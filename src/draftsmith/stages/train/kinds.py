@@ -37,19 +37,20 @@ class TTTObjective:
 
     ttt_steps: int
     decay: float
+    loss: str = "kl"
 
     @property
     def positions(self) -> int:
         return self.ttt_steps
 
     def __call__(self, drafter, batch: TTTBatch, teacher, generator: torch.Generator | None = None):
-        return ttt_forward(drafter, batch, teacher, self.ttt_steps, self.decay)
+        return ttt_forward(drafter, batch, teacher, self.ttt_steps, self.decay, loss=self.loss)
 
 
 def objective_for(cfg: TrainConfig, drafter) -> Objective:
     """The run's objective; a block drafter's own config decides its block size and slot convention."""
     if cfg.kind == "eagle3":
-        return TTTObjective(cfg.ttt_steps, cfg.step_decay)
+        return TTTObjective(cfg.ttt_steps, cfg.step_decay, cfg.loss)
     conf = drafter.config
     opt = cfg.block_option
     spec = BlockSpec(block_size=int(conf.block_size), next_token=bool(conf.sample_from_anchor),

@@ -34,6 +34,7 @@ from draftsmith.stages.train.loop import (
     teardown_distributed,
     train_loop,
 )
+from draftsmith.stages.train.optim import build_optimizer
 from draftsmith.stages.train.precision import choose_autocast, measure_autocast
 
 LOCK_NAME = ".train.lock"
@@ -296,16 +297,15 @@ def _total_steps(cfg: TrainConfig, train_idx: list[int], lengths: list[int], wor
 
 
 def _setup_optimizer(cfg: TrainConfig, drafter: Eagle3Drafter, total_steps: int, world: int):
-    """(trainable params, AdamW, warmup + cosine LambdaLR), after every rank starts from rank 0's weights."""
+    """(trainable params, the optimizer (optim.py: AdamW, or Muon + AdamW), warmup + cosine LambdaLR), after
+    every rank starts from rank 0's weights."""
     if world > 1:  # same seed gives the same init; make it explicit (init_drafter, RNG differences)
         for p in drafter.parameters():
             dist.broadcast(p.data, src=0)
     params = [p for p in drafter.parameters() if p.requires_grad]
     # fused: one pass over each tensor instead of eight (the foreach path is CUDA's default only); the same
     # update, in the same float32. A torch or device without the fused kernel takes the plain loop.
-    fused = _fused_adamw_ok(params)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            **({"fused": True} if fused else {}))
+    opt = build_optimizer(cfg, drafter, _fused_adamw_ok(params))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
     return params, opt, sched
 
