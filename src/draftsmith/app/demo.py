@@ -78,8 +78,8 @@ class Preset:
     # more steps is evaluated as often, and warms up alike.
     eval_every: int | None = None
     warmup_steps: int | None = None
-    # train --optimizer: Muon for the drafter's hidden matrices (AdamW for the rest) beat AdamW at equal minutes
-    # on the default preset's settings (docs/recipes-and-levers.md); the full preset's were not measured.
+    # train --optimizer. Muon led AdamW in short equal-minutes runs on a loaded CPU, but its optimizer step costs
+    # ~13x AdamW's there and a demo-length run has not confirmed it (docs/recipes-and-levers.md): AdamW stays.
     optimizer: str = "adamw"
 
 
@@ -95,7 +95,7 @@ PRESETS = {
     # steps; the bench decodes as far as the answers the drafter learned from.
     "default": Preset("smollm2", 400, 224, 64, 32, 4096, 800, 2, 1024, 2e-3, ("mt-bench",), 8, 192, 2, (2, 4, 6),
                       data="sharegpt", max_turns=1, max_length=1024, minutes=20, step_ceiling=3000, eval_every=160,
-                      warmup_steps=40, optimizer="muon"),
+                      warmup_steps=40),
     # More data (whole conversations cut at 1,024 tokens) and longer training, within 3 hours on 2 CPU cores:
     # training-time test's attention grows with the square of the length, so 2,048-token samples trained at
     # about half the tokens/s; 20 prompts a set keep the bench (every method decodes every prompt) under an hour.
