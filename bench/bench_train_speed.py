@@ -78,9 +78,14 @@ def worker(args) -> None:
     runs = {"plain_adamw": (drafter, params_a, torch.optim.AdamW(params_a, lr=p["lr"], betas=(0.9, 0.95)))}
     params_b, opt_b, _ = _setup_optimizer(opt_cfg, twin, 1000, 1)
     runs["this"] = (twin, params_b, opt_b)
+    # --threads-ab: A is this tree's optimizer too, on --threads threads; B on one thread
+    threads = {"plain_adamw": args.threads, "this": 1 if args.threads_ab else args.threads}
+    if args.threads_ab:
+        runs["plain_adamw"] = (drafter, params_a, _setup_optimizer(opt_cfg, drafter, 1000, 1)[1])
 
     def step(name: str, i: int) -> tuple[int, float]:
         model, params, opt = runs[name]
+        torch.set_num_threads(threads[name])
         t0 = time.perf_counter()
         idx = batches[i % len(batches)]
         batch = every_position(collate([samples[j] for j in idx], 1024, torch.bfloat16))
@@ -188,6 +193,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--autocast", choices=("auto", "bf16", "fp32"), default="auto")
+    ap.add_argument("--threads-ab", action="store_true", help="A: this tree's step on --threads threads, B: on one "
+                    "thread (what train/threads.py chooses between)")
     ap.add_argument("--out", default="out/bench_train_speed.json")
     ap.add_argument("--loop", action="store_true", help="time the whole `draftsmith train` loop on --store, the "
                     "tree at --old-src against this one")
@@ -205,7 +212,8 @@ def main() -> int:
             ap.error("--loop needs --store and --old-src")
         return loop_main(args)
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--steps", str(args.steps),
-           "--samples", str(args.samples), "--threads", str(args.threads), "--autocast", args.autocast]
+           "--samples", str(args.samples), "--threads", str(args.threads), "--autocast", args.autocast,
+           *(["--threads-ab"] if args.threads_ab else [])]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -220,7 +228,9 @@ def main() -> int:
               "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios)}
     print(f"{result['cpu']}; {args.preset} preset, {args.threads} threads, autocast "
           f"{'bf16' if res['autocast'] else 'off'}, load average {result['load_average'][0]:.1f}")
-    print(f"plain AdamW {a['tokens_per_s']:.0f} tok/s, this tree {b['tokens_per_s']:.0f} tok/s: "
+    names = (f"{args.threads} threads", "1 thread") if args.threads_ab else ("plain AdamW", "this tree")
+    result["threads_ab"] = args.threads_ab
+    print(f"{names[0]} {a['tokens_per_s']:.0f} tok/s, {names[1]} {b['tokens_per_s']:.0f} tok/s: "
           f"{result['ratio_tokens_per_s']:.2f}x; per-step ratio over {len(ratios)} pairs: min "
           f"{result['ratio_min']:.2f}, median {result['ratio_median']:.2f}, max {result['ratio_max']:.2f}")
     out = Path(args.out)
