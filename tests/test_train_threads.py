@@ -70,3 +70,12 @@ def test_a_run_logs_its_thread_count_and_gives_the_process_its_count_back(worksp
     assert {r["threads"] for r in rows} <= {before + 1, 1} and len(rows) == 12
     assert 1 in calls and before + 1 in calls  # both counts were tried on real steps
     assert torch.get_num_threads() == before
+
+
+def test_a_count_that_loses_by_far_is_dropped_after_one_step():
+    tuner = ThreadTuner([2, 1], set_threads=lambda n: None)
+    used = _drive(tuner, 300, lambda s, t: {2: 6.0, 1: 1.0}[t])  # a busy machine: two threads lose 6x
+    assert tuner.current == 1
+    after = used[6:]  # the first comparison started on two threads (the current count then) and switched
+    slow_runs = [i for i in range(len(after)) if after[i] == 2]
+    assert slow_runs and all(b - a > 1 for a, b in zip(slow_runs, slow_runs[1:], strict=False))  # one step each

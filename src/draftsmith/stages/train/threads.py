@@ -6,7 +6,8 @@ op waits for it: on the 2-core Xeon at load 12, the default preset's step ran 5x
 On the same machine quiet, two threads are the faster. Neither choice is right for both, and the load of a shared
 machine changes during a run, so ``ThreadTuner`` times the candidates against each other on real steps,
 alternated (A, B, B, A: a load that drifts meanwhile falls on both alike), keeps the faster, and asks again after
-a period that doubles while the answer holds.
+a period that doubles while the answer holds. A candidate that loses by far on its first step is dropped from that
+comparison there, so asking costs one slow step where the answer is plain.
 
 What it changes is where the work runs, not what is computed: the loss and updates are the same functions; only
 the order of some float sums inside parallel kernels follows the thread count (differences in the last bits).
@@ -25,6 +26,9 @@ PROBE_STEPS = 2
 #: Steps between the first comparisons; doubled while the answer holds, up to ``MAX_PERIOD``.
 FIRST_PERIOD = 16
 MAX_PERIOD = 256
+#: A candidate whose step took this many times the current count's (per token) is out of that comparison at once:
+#: on a busy machine the losing count costs several steps' worth per step, and one step already says so.
+CLEAR_LOSS = 2.0
 
 
 def thread_choices(device: torch.device, world: int) -> list[int]:
@@ -83,15 +87,24 @@ class ThreadTuner:
             self.until_probe -= 1
             return
         self.plan.pop(0)
-        row = self.timed[self._step_threads]
-        row[0] += seconds
-        row[1] += tokens
+        t = self._step_threads
+        self.timed[t][0] += seconds
+        self.timed[t][1] += tokens
+        if t != self.current and self.timed[self.current][1] and self._per_token(t) > CLEAR_LOSS * self._per_token(
+                self.current):
+            self.plan = [c for c in self.plan if c != t]
+            if all(c == self.current for c in self.plan):
+                self.plan = []
         if self.plan:
             return
-        best = min(self.timed, key=lambda c: self.timed[c][0] / max(self.timed[c][1], 1.0))
+        best = min((c for c in self.timed if self.timed[c][1]), key=self._per_token)
         if best == self.current:
             self.period = min(self.period * 2, self.max_period)
         else:
             self.current, self.period = best, self.first_period
             self.switches.append((self._steps, best))
         self.until_probe = self.period
+
+    def _per_token(self, threads: int) -> float:
+        seconds, tokens = self.timed[threads]
+        return seconds / max(tokens, 1.0)
