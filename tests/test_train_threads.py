@@ -79,3 +79,10 @@ def test_a_count_that_loses_by_far_is_dropped_after_one_step():
     after = used[6:]  # the first comparison started on two threads (the current count then) and switched
     slow_runs = [i for i in range(len(after)) if after[i] == 2]
     assert slow_runs and all(b - a > 1 for a, b in zip(slow_runs, slow_runs[1:], strict=False))  # one step each
+
+
+def test_a_count_that_wins_by_far_ends_the_first_comparison_at_once():
+    tuner = ThreadTuner([2, 1], set_threads=lambda n: None)
+    used = _drive(tuner, 40, lambda s, t: {2: 6.0, 1: 1.0}[t])
+    assert used[:4] == [2, 2, 1, 1]  # the warm-up step, then A (two threads), B (one): answered, no second A
+    assert tuner.switches[0] == (3, 1)

@@ -7,7 +7,7 @@ On the same machine quiet, two threads are the faster. Neither choice is right f
 machine changes during a run, so ``ThreadTuner`` times the candidates against each other on real steps,
 alternated (A, B, B, A: a load that drifts meanwhile falls on both alike), keeps the faster, and asks again after
 a period that doubles while the answer holds. A candidate that loses by far on its first step is dropped from that
-comparison there, so asking costs one slow step where the answer is plain.
+comparison there, and one that wins by far ends it, so asking costs one slow step where the answer is plain.
 
 What it changes is where the work runs, not what is computed: the loss and updates are the same functions; only
 the order of some float sums inside parallel kernels follows the thread count (differences in the last bits).
@@ -90,10 +90,12 @@ class ThreadTuner:
         t = self._step_threads
         self.timed[t][0] += seconds
         self.timed[t][1] += tokens
-        if t != self.current and self.timed[self.current][1] and self._per_token(t) > CLEAR_LOSS * self._per_token(
-                self.current):
-            self.plan = [c for c in self.plan if c != t]
-            if all(c == self.current for c in self.plan):
+        if t != self.current and self.timed[self.current][1]:
+            if self._per_token(t) > CLEAR_LOSS * self._per_token(self.current):  # t lost by far: drop it
+                self.plan = [c for c in self.plan if c != t]
+                if all(c == self.current for c in self.plan):
+                    self.plan = []
+            elif self._per_token(self.current) > CLEAR_LOSS * self._per_token(t):  # t won by far: answered
                 self.plan = []
         if self.plan:
             return
