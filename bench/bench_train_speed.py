@@ -1,6 +1,7 @@
 """Training-step throughput with this tree's optimizer against the plain AdamW, side by side in one process.
 
     python bench/bench_train_speed.py [--preset default|full] [--steps 12] [--threads 2]
+    python bench/bench_train_speed.py --loop --store DIR --old-src DIR [--target smollm2] [--steps 40] [--rounds 3]
 
 On a machine shared with other work, separate runs minutes apart see different loads (on 2 cores shared by six
 processes, one run's tokens/s varied 10x); so one process holds two drafters with the same initial weights and
@@ -78,9 +79,14 @@ def worker(args) -> None:
     runs = {"plain_adamw": (drafter, params_a, torch.optim.AdamW(params_a, lr=p["lr"], betas=(0.9, 0.95)))}
     params_b, opt_b, _ = _setup_optimizer(opt_cfg, twin, 1000, 1)
     runs["this"] = (twin, params_b, opt_b)
+    # --threads-ab: A is this tree's optimizer too, on --threads threads; B on one thread
+    threads = {"plain_adamw": args.threads, "this": 1 if args.threads_ab else args.threads}
+    if args.threads_ab:
+        runs["plain_adamw"] = (drafter, params_a, _setup_optimizer(opt_cfg, drafter, 1000, 1)[1])
 
     def step(name: str, i: int) -> tuple[int, float]:
         model, params, opt = runs[name]
+        torch.set_num_threads(threads[name])
         t0 = time.perf_counter()
         idx = batches[i % len(batches)]
         batch = every_position(collate([samples[j] for j in idx], 1024, torch.bfloat16))
@@ -109,6 +115,61 @@ def worker(args) -> None:
     print(json.dumps(out))
 
 
+def loop_main(args) -> int:
+    """The whole training loop, an old tree's against this one's, as the demo runs it (``draftsmith train`` on a
+    real store, the default preset's settings), in alternate processes: old, new, new, old, ... per round.
+
+    Each run is a fresh ``--out`` with ``--max-steps``; its tokens/s is the loop's own (the last training row of
+    metrics.jsonl: tokens over the loop's time, first visits' argmax, evaluation and checkpoints included), and its
+    wall time is the whole process's (start-up and setup included).
+    """
+    import tempfile
+
+    p = PRESETS[args.preset]
+    settings = ["--target", args.target, "--store", args.store, "--max-steps", str(args.steps),
+                "--ttt-steps", str(p["ttt_steps"]), "--batch-tokens", str(p["batch_tokens"]), "--max-length", "1024",
+                "--lr", str(p["lr"]), "--eval-every", "160", "--save-every", "160", "--warmup-steps", "40",
+                "--train-on", "all", "--device", "cpu", "--log-every", "5", "--no-progress"]
+    trees = {"old": Path(args.old_src).resolve(), "new": ROOT / "src"}
+    rows: dict[str, list[dict]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory(prefix="bench_loop_") as tmp:
+        for r in range(args.rounds):
+            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                out = Path(tmp) / f"{name}-{r}"
+                env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                load = os.getloadavg()[0]
+                t0 = time.perf_counter()
+                done = subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", *settings, "--out", str(out)],
+                                      env=env, capture_output=True, text=True, check=False)
+                wall = time.perf_counter() - t0
+                if done.returncode != 0:
+                    print(done.stderr[-2000:], file=sys.stderr)
+                    return 1
+                metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+                last = [m for m in metrics if "tokens_per_s" in m][-1]
+                row = {"round": r, "tokens_per_s": last["tokens_per_s"], "wall_s": round(wall, 1),
+                       "load_before": round(load, 2), "threads": last.get("threads")}
+                rows[name].append(row)
+                print(f"round {r} {name}: {row['tokens_per_s']:.0f} tok/s, {wall:.0f} s wall, load {load:.1f}",
+                      file=sys.stderr, flush=True)
+    stat = {name: {"min": min(x["tokens_per_s"] for x in v), "median": statistics.median(x["tokens_per_s"] for x in v),
+                   "max": max(x["tokens_per_s"] for x in v)} for name, v in rows.items()}
+    ratios = [n["tokens_per_s"] / o["tokens_per_s"] for o, n in zip(rows["old"], rows["new"], strict=True)]
+    result = {"mode": "loop", "preset": args.preset, "cpu": cpu_kind(), "steps": args.steps, "store": args.store,
+              "old_src": str(trees["old"]), "load_average_end": os.getloadavg(), "runs": rows, "tokens_per_s": stat,
+              "ratio_per_round": [round(x, 2) for x in ratios], "ratio_median": statistics.median(ratios)}
+    print(f"{result['cpu']}; loop of `draftsmith train`, {args.preset} preset settings, {args.steps} steps")
+    for name in ("old", "new"):
+        print(f"{name}: tokens/s min {stat[name]['min']:.0f}, median {stat[name]['median']:.0f}, "
+              f"max {stat[name]['max']:.0f}")
+    print(f"new/old per round: {', '.join(f'{x:.2f}' for x in ratios)} (median {result['ratio_median']:.2f}); "
+          f"load average {result['load_average_end'][0]:.1f} at the end")
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def cpu_kind() -> str:
     flags = set()
     try:
@@ -135,15 +196,27 @@ def main() -> int:
     ap.add_argument("--autocast", choices=("auto", "bf16", "fp32"), default="auto")
     ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                     help="the trainer's optimizer that 'this tree' builds (train --optimizer)")
+    ap.add_argument("--threads-ab", action="store_true", help="A: this tree's step on --threads threads, B: on one "
+                    "thread (what train/threads.py chooses between)")
     ap.add_argument("--out", default="out/bench_train_speed.json")
+    ap.add_argument("--loop", action="store_true", help="time the whole `draftsmith train` loop on --store, the "
+                    "tree at --old-src against this one")
+    ap.add_argument("--store", help="--loop: a feature store (read only)")
+    ap.add_argument("--target", default="smollm2", help="--loop: the store's target")
+    ap.add_argument("--old-src", help="--loop: an older tree's src/ (git archive REV src | tar -x -C DIR)")
+    ap.add_argument("--rounds", type=int, default=3, help="--loop: runs of each, alternated")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return 0
+    if args.loop:
+        if not (args.store and args.old_src):
+            ap.error("--loop needs --store and --old-src")
+        return loop_main(args)
     cmd = [sys.executable, __file__, "--worker", "--preset", args.preset, "--steps", str(args.steps),
            "--samples", str(args.samples), "--threads", str(args.threads), "--autocast", args.autocast,
-           "--optimizer", args.optimizer]
+           "--optimizer", args.optimizer, *(["--threads-ab"] if args.threads_ab else [])]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -158,7 +231,9 @@ def main() -> int:
               "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios)}
     print(f"{result['cpu']}; {args.preset} preset, {args.threads} threads, autocast "
           f"{'bf16' if res['autocast'] else 'off'}, load average {result['load_average'][0]:.1f}")
-    print(f"plain AdamW {a['tokens_per_s']:.0f} tok/s, this tree {b['tokens_per_s']:.0f} tok/s: "
+    names = (f"{args.threads} threads", "1 thread") if args.threads_ab else ("plain AdamW", "this tree")
+    result["threads_ab"] = args.threads_ab
+    print(f"{names[0]} {a['tokens_per_s']:.0f} tok/s, {names[1]} {b['tokens_per_s']:.0f} tok/s: "
           f"{result['ratio_tokens_per_s']:.2f}x; per-step ratio over {len(ratios)} pairs: min "
           f"{result['ratio_min']:.2f}, median {result['ratio_median']:.2f}, max {result['ratio_max']:.2f}")
     out = Path(args.out)

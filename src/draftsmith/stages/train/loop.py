@@ -32,6 +32,7 @@ from draftsmith.stages.train.config import TrainConfig, TrainError
 from draftsmith.stages.train.data import OnlineSource, StoreSource, every_position, make_batches
 from draftsmith.stages.train.kinds import Objective, objective_for
 from draftsmith.stages.train.logs import MetricsLog
+from draftsmith.stages.train.threads import ThreadTuner, thread_choices
 
 
 def dist_info() -> tuple[int, int]:
@@ -230,6 +231,7 @@ def train_loop(run: Run) -> dict:
     tokens_seen, t_start = 0, time.perf_counter()
     eval_s, evals = 0.0, 0
     window = BudgetWindow(t_start, state["step"], run.teacher.argmax_s, 0.0)
+    threads = ThreadTuner(thread_choices(device, world))
     drafter.train()
     while state["step"] < run.total_steps:
         batches = make_batches(run.train_idx, run.source.lengths, cfg.batch_tokens, cfg.seed * 1000 + state["epoch"])
@@ -241,6 +243,8 @@ def train_loop(run: Run) -> dict:
                              "has here per rank; lower --grad-accum or --batch-tokens")
         while state["batch_in_epoch"] + cfg.grad_accum <= len(batches) and state["step"] < run.total_steps:
             stats = TTTStats()
+            threads.before_step()
+            t_step, argmax_before, step_tokens = time.perf_counter(), run.teacher.argmax_s, 0
             opt.zero_grad(set_to_none=True)
             for j in range(cfg.grad_accum):
                 batch = run.source.load(batches[state["batch_in_epoch"] + j]).to(device)
@@ -253,7 +257,7 @@ def train_loop(run: Run) -> dict:
                                      f"good checkpoint is in {out / 'checkpoints'} (try a lower lr)")
                 (loss / cfg.grad_accum).backward()
                 stats.add(s)
-                tokens_seen += batch.num_tokens
+                step_tokens += batch.num_tokens
             if world > 1:  # data parallel: average gradients over ranks (what DDP would do, without its wrapper)
                 for p in params:
                     if p.grad is not None:
@@ -262,6 +266,9 @@ def train_loop(run: Run) -> dict:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             sched.step()
+            tokens_seen += step_tokens
+            # the step's own time: a first visit's argmax is a one-time cost, not the thread count's
+            threads.after_step(time.perf_counter() - t_step - (run.teacher.argmax_s - argmax_before), step_tokens)
             state["step"] += 1
             state["batch_in_epoch"] += cfg.grad_accum
             step = state["step"]
@@ -271,7 +278,7 @@ def train_loop(run: Run) -> dict:
                 log.write(step=step, elapsed_s=round(time.perf_counter() - run.started, 3),
                           loss=stats.loss / cfg.grad_accum, acc_0=stats.acc[0],
                           simulated_tau=stats.simulated_acceptance_length, lr=sched.get_last_lr()[0],
-                          tokens_per_s=rate)
+                          tokens_per_s=rate, threads=threads.current)
                 if bar is not None:
                     bar.set_postfix(loss=f"{stats.loss / cfg.grad_accum:.3f}", acc0=f"{stats.acc[0]:.2f}",
                                     tau=f"{stats.simulated_acceptance_length:.2f}", tok_s=f"{rate:.0f}")

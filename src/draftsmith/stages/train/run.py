@@ -151,9 +151,13 @@ def _train(cfg: TrainConfig, rank: int, world: int, out: Path) -> TrainResult:
         log.drop_after(int(state["step"]) if cfg.resume else -1)
 
     bar = progress_bar(cfg, rank, total_steps, state["step"])
-    last_eval = train_loop(Run(cfg, out, device, autocast, rank, world, source, train_idx, eval_idx, total_steps,
-                               step_ceiling, drafter, teacher, objective, params, opt, sched, state, log, bar,
-                               started))
+    threads = torch.get_num_threads()  # the loop may choose another count (train/threads.py): put it back after
+    try:
+        last_eval = train_loop(Run(cfg, out, device, autocast, rank, world, source, train_idx, eval_idx, total_steps,
+                                   step_ceiling, drafter, teacher, objective, params, opt, sched, state, log, bar,
+                                   started))
+    finally:
+        torch.set_num_threads(threads)
     if bar is not None:
         bar.close()
     if rank == 0:
