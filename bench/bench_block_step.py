@@ -10,7 +10,8 @@ vocabulary 49,152, 3 aux layers as the demo store), draft vocabulary 4,096, one 
 features (lengths log-normal, median ~330, every position an answer token): a step's cost depends on the shapes,
 not the values. Block rows: ``old`` is the attention layout before this script existed (each slot a query row
 of a per-slot copy of the sequence, the block's keys as T-row diagonal tensors; kept here as the baseline),
-``new`` is this tree's ``block_attention``. Every timed round runs each row once, in alternating order.
+``new`` is this tree's ``block_attention``; likewise the acceptance counts' Markov drafts (``old``: one pass per
+slot). Every timed round runs each row once, in alternating order.
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ def old_block_attention(q, k_blk, v_blk, k_ctx, v_ctx, rows, anchors):
         values.append(spread(v_blk[:, :, j][:, None].expand(m, bs, kv, d), kv))
     out = ttt_attention(q_rows, keys, values).view(b, bs, n_heads, t, d)
     return out[at].transpose(1, 2)
+
+
+@torch.no_grad()
+def old_greedy_drafts(drafter, base, hidden, first_prev, choice):
+    """The acceptance counts' drafts before: the decoder's loop, one Markov pass per slot."""
+    prev, state, out = first_prev, None, []
+    for k in range(base.shape[1]):
+        bias, state = drafter.markov_bias(prev, hidden[:, k], state)
+        out.append((base[:, k] + bias.float()).argmax(-1))
+        prev = drafter.to_target_ids(out[-1])
+    return torch.stack(out, dim=1)
 
 
 def build(name: str, embed, dv):
@@ -120,7 +132,7 @@ def main() -> int:
                 torch.randn(n, 3 * WIDTH, generator=g).bfloat16(), torch.randn(n, WIDTH, generator=g).bfloat16())
                for n in lengths]
     batches = make_batches(list(range(len(lengths))), lengths, BATCH_TOKENS, 0)
-    new_attention = block_mod.block_attention
+    new_attention, new_greedy = block_mod.block_attention, block_mod.greedy_drafts
     rows = []
     for name in args.kinds.split(","):
         drafter, objective = build(name, embed, dv)
@@ -132,6 +144,7 @@ def main() -> int:
     def step(row, i: int) -> float:
         name, variant, drafter, objective, params, opt = row
         block_mod.block_attention = old_block_attention if variant == "old" else new_attention
+        block_mod.greedy_drafts = old_greedy_drafts if variant == "old" else new_greedy
         idx = batches[i % len(batches)]
         batch = every_position(collate([samples[j] for j in idx], BATCH_TOKENS, torch.bfloat16))
         batch.indices = idx
