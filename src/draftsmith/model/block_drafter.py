@@ -361,10 +361,14 @@ class BlockDrafter(nn.Module):
             return None, None
         return self.markov_head.step(prev_ids, hid, state)
 
-    def confidence_logits(self, hid: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
+    def confidence_logits(self, hid: torch.Tensor, prev_ids: torch.Tensor,
+                          markov_embedded: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The confidence head's logit; ``markov_embedded``: ``markov_head.embed(prev_ids)`` if the caller has it."""
         if self.confidence_head is None:
             return None
-        e = self.markov_head.embed(prev_ids) if self.config.confidence_head_with_markov else None
+        e = None
+        if self.config.confidence_head_with_markov:
+            e = self.markov_head.embed(prev_ids) if markov_embedded is None else markov_embedded
         return self.confidence_head(hid, e)
 
     # --- training --------------------------------------------------------------------------------------
