@@ -12,6 +12,20 @@ not the values. Block rows: ``old`` is the attention layout before this script e
 of a per-slot copy of the sequence, the block's keys as T-row diagonal tensors; kept here as the baseline),
 ``new`` is this tree's ``block_attention``; likewise the acceptance counts' Markov drafts (``old``: one pass per
 slot). Every timed round runs each row once, in alternating order.
+
+Measured 2026-12-06 on the 2-core Intel Xeon (AMX, avx512_bf16) shared with the lead's training and other
+helpers' tests (load average 9-12), bf16 autocast, ``OMP_NUM_THREADS=1 ... --threads 1``, seconds per step:
+
+    run (rounds)        EAGLE-3 TTT-2   DSpark default     DSpark small      DFlash (2 layers)
+                        min / median    old -> new         old -> new        old -> new
+    20:50 (5)           0.58 / 0.80     3.81 -> 1.35 min   0.87 -> 0.41 min  3.75 -> 1.14 min
+    21:08 (7, busier)   2.28 / 2.56     11.26 -> 4.05 min  2.72 -> 1.17 min  13.55 -> 3.72 min
+    old/new of the same round, median (min): DSpark default 2.42x (1.87x) and 2.51x (2.22x); DSpark small
+    2.06x (1.40x) and 2.23x (1.36x); DFlash 3.18x (2.25x) and 3.29x (2.45x).
+
+The 21:08 run includes the single Markov-table lookup in both rows (only the attention and the counts' drafts
+differ). With 2 threads on this loaded machine every small elementwise op ran 10-20x slower in the profile (the
+OpenMP threads wait on each other): one thread per run is faster here.
 """
 
 from __future__ import annotations
