@@ -10,7 +10,22 @@ vocabulary 49,152, 3 aux layers as the demo store), draft vocabulary 4,096, one 
 features (lengths log-normal, median ~330, every position an answer token): a step's cost depends on the shapes,
 not the values. Block rows: ``old`` is the attention layout before this script existed (each slot a query row
 of a per-slot copy of the sequence, the block's keys as T-row diagonal tensors; kept here as the baseline),
-``new`` is this tree's ``block_attention``. Every timed round runs each row once, in alternating order.
+``new`` is this tree's ``block_attention``; likewise the acceptance counts' Markov drafts (``old``: one pass per
+slot). Every timed round runs each row once, in alternating order.
+
+Measured 2026-12-06 on the 2-core Intel Xeon (AMX, avx512_bf16) shared with the lead's training and other
+helpers' tests (load average 9-12), bf16 autocast, ``OMP_NUM_THREADS=1 ... --threads 1``, seconds per step:
+
+    run (rounds)        EAGLE-3 TTT-2   DSpark default     DSpark small      DFlash (2 layers)
+                        min / median    old -> new         old -> new        old -> new
+    20:50 (5)           0.58 / 0.80     3.81 -> 1.35 min   0.87 -> 0.41 min  3.75 -> 1.14 min
+    21:08 (7, busier)   2.28 / 2.56     11.26 -> 4.05 min  2.72 -> 1.17 min  13.55 -> 3.72 min
+    old/new of the same round, median (min): DSpark default 2.42x (1.87x) and 2.51x (2.22x); DSpark small
+    2.06x (1.40x) and 2.23x (1.36x); DFlash 3.18x (2.25x) and 3.29x (2.45x).
+
+The 21:08 run includes the single Markov-table lookup in both rows (only the attention and the counts' drafts
+differ). With 2 threads on this loaded machine every small elementwise op ran 10-20x slower in the profile (the
+OpenMP threads wait on each other): one thread per run is faster here.
 """
 
 from __future__ import annotations
@@ -59,6 +74,17 @@ def old_block_attention(q, k_blk, v_blk, k_ctx, v_ctx, rows, anchors):
         values.append(spread(v_blk[:, :, j][:, None].expand(m, bs, kv, d), kv))
     out = ttt_attention(q_rows, keys, values).view(b, bs, n_heads, t, d)
     return out[at].transpose(1, 2)
+
+
+@torch.no_grad()
+def old_greedy_drafts(drafter, base, hidden, first_prev, choice):
+    """The acceptance counts' drafts before: the decoder's loop, one Markov pass per slot."""
+    prev, state, out = first_prev, None, []
+    for k in range(base.shape[1]):
+        bias, state = drafter.markov_bias(prev, hidden[:, k], state)
+        out.append((base[:, k] + bias.float()).argmax(-1))
+        prev = drafter.to_target_ids(out[-1])
+    return torch.stack(out, dim=1)
 
 
 def build(name: str, embed, dv):
@@ -120,7 +146,7 @@ def main() -> int:
                 torch.randn(n, 3 * WIDTH, generator=g).bfloat16(), torch.randn(n, WIDTH, generator=g).bfloat16())
                for n in lengths]
     batches = make_batches(list(range(len(lengths))), lengths, BATCH_TOKENS, 0)
-    new_attention = block_mod.block_attention
+    new_attention, new_greedy = block_mod.block_attention, block_mod.greedy_drafts
     rows = []
     for name in args.kinds.split(","):
         drafter, objective = build(name, embed, dv)
@@ -132,6 +158,7 @@ def main() -> int:
     def step(row, i: int) -> float:
         name, variant, drafter, objective, params, opt = row
         block_mod.block_attention = old_block_attention if variant == "old" else new_attention
+        block_mod.greedy_drafts = old_greedy_drafts if variant == "old" else new_greedy
         idx = batches[i % len(batches)]
         batch = every_position(collate([samples[j] for j in idx], BATCH_TOKENS, torch.bfloat16))
         batch.indices = idx

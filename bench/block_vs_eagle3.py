@@ -19,7 +19,9 @@ thread; SmolLM2-135M, store: 199 ShareGPT first turns cut at 512 tokens, aux lay
 Both far from trained (the demo preset trains 800+ steps). At 8 minutes, DSpark's default shape (2 layers, block
 7, rank 256, 128 anchors, lr 1e-3) ran 27 steps (13 s/step under that load) to EAGLE-3's 62: held-out 1.090 vs
 1.207. One step on one 1,024-token batch, 1 thread, load ~2: EAGLE-3 TTT-2 0.62 s, DSpark default 2.8 s (24.1M
-trainable parameters, 12.6M of them the Markov head's embedding), DSpark small 0.8 s.
+trainable parameters, 12.6M of them the Markov head's embedding), DSpark small 0.8 s. Those step costs are before
+the block attention on the blocks' own rows (branch b49): bench/bench_block_step.py measures old and new side by
+side (DSpark default 2.5x cheaper per step, DFlash 3.3x, DSpark small 2.2x; DSpark default ~2x EAGLE-3 TTT-2).
 """
 
 from __future__ import annotations

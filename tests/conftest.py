@@ -95,7 +95,8 @@ def fit_block_drafter(target: Target, sequences: list[list[int]], kind: str, ste
     lengths = torch.tensor([len(s) for s in sequences])
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s)
-    drafter = new_block_drafter(target, kind, seed=seed, **overrides).float().train()  # sets the target's layers
+    drafter = new_block_drafter(target, kind, seed=seed, **overrides).float().train()
+    target.set_aux_hidden_state_layers(drafter.config.aux_layer_ids)
     with torch.no_grad():
         out = target(ids)
     labels = out.logits.argmax(-1)  # labels[:, p - 1] = the target's choice for position p

@@ -31,8 +31,24 @@ VARIANTS = {  # (kind, overrides): both slot conventions, every Markov head type
 
 
 def _drafter(name: str, target=None, **extra):
+    """A random drafter, and its target pointed at the drafter's layers (making one leaves the target alone)."""
     kind, overrides = VARIANTS[name]
-    return new_block_drafter(target or block_target("llama"), kind, **overrides, **extra)
+    target = target or block_target("llama")
+    d = new_block_drafter(target, kind, **overrides, **extra)
+    target.set_aux_hidden_state_layers(d.config.aux_layer_ids)
+    return d
+
+
+def test_making_a_drafter_leaves_the_target_alone():
+    """new_block_drafter only reads the target; the decoder points the target at the drafter's layers itself."""
+    from draftsmith.stages.decode import SpeculativeDecoder
+
+    target = block_target("llama")
+    before = tuple(target.aux_layers)
+    d = new_block_drafter(target, "dspark", markov_rank=8, target_layer_ids=(0, 2))
+    assert tuple(target.aux_layers) == before != d.config.aux_layer_ids
+    SpeculativeDecoder(target, d)
+    assert tuple(target.aux_layers) == d.config.aux_layer_ids
 
 
 def _decode_hidden(d, aux, ids, anchor: int, split: int) -> torch.Tensor:

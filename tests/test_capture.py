@@ -302,6 +302,27 @@ def test_resume_skips_stored(tiny: dict[str, Any], tmp_path: Path) -> None:
         capture(tiny["target"], tiny["tok"], cfg(tiny, out, dtype="fp8"))
 
 
+def test_store_names_its_features_for_every_kind_and_old_stores_resume(tiny: dict[str, Any], tmp_path: Path) -> None:
+    """A store says it holds the target's features (every drafter kind trains from them); a store written under
+    the old name 'eagle3-features' resumes instead of being refused, keeps its name and reads; another name is
+    another store."""
+    out = tmp_path / "s"
+    capture(tiny["target"], tiny["tok"], cfg(tiny, out, limit=6))
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["meta"]["kind"] == "target-features"
+    manifest["meta"]["kind"] = "eagle3-features"  # as draftsmith wrote it before the block kinds
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    second = capture(tiny["target"], tiny["tok"], cfg(tiny, out))
+    assert second.counts.already_stored == 6 and second.counts.captured == len(CAPTURABLE) - 6
+    store = FeatureStore(out)
+    assert store.meta["kind"] == "eagle3-features" and sorted(store.sample_ids) == sorted(CAPTURABLE)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["meta"]["kind"] = "other-features"
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(StoreMismatch, match="kind"):
+        capture(tiny["target"], tiny["tok"], cfg(tiny, out))
+
+
 def test_sharegpt_array_as_written_first_turns_without_evaluation_prompts(tiny: dict[str, Any], tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A ShareGPT-shaped JSON array cut mid-object: every complete conversation is read, an evaluation

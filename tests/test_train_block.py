@@ -146,6 +146,7 @@ def _case(name: str, draft_vocab_size: int = 200):
     target = block_target("llama")
     kind, overrides = VARIANTS[name]
     d = new_block_drafter(target, kind, draft_vocab_size=draft_vocab_size, **overrides)
+    target.set_aux_hidden_state_layers(d.config.aux_layer_ids)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(3, 256, (2, 24), generator=g)
     out = target(ids)

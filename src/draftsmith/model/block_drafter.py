@@ -361,10 +361,14 @@ class BlockDrafter(nn.Module):
             return None, None
         return self.markov_head.step(prev_ids, hid, state)
 
-    def confidence_logits(self, hid: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
+    def confidence_logits(self, hid: torch.Tensor, prev_ids: torch.Tensor,
+                          markov_embedded: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The confidence head's logit; ``markov_embedded``: ``markov_head.embed(prev_ids)`` if the caller has it."""
         if self.confidence_head is None:
             return None
-        e = self.markov_head.embed(prev_ids) if self.config.confidence_head_with_markov else None
+        e = None
+        if self.config.confidence_head_with_markov:
+            e = self.markov_head.embed(prev_ids) if markov_embedded is None else markov_embedded
         return self.confidence_head(hid, e)
 
     # --- training --------------------------------------------------------------------------------------
@@ -459,7 +463,8 @@ def check_fits(cfg: BlockDrafterConfig, target) -> None:
 
 
 def attach(drafter: BlockDrafter, target) -> BlockDrafter:
-    """Fit checks, the target's aux layers set to the drafter's, the target's embedding bound."""
+    """Fit checks, the target's aux layers set to the drafter's, the target's embedding bound (loading with a
+    target, as ``load_drafter`` points the target at an EAGLE-3 drafter's layers)."""
     check_fits(drafter.config, target)
     if tuple(target.aux_layers) != drafter.config.aux_layer_ids:
         target.set_aux_hidden_state_layers(drafter.config.aux_layer_ids)
@@ -469,7 +474,12 @@ def attach(drafter: BlockDrafter, target) -> BlockDrafter:
 
 def new_block_drafter(target, kind: str = "dflash", draft_vocab: vocab_mod.DraftVocab | None = None,
                       seed: int | None = 0, **overrides) -> BlockDrafter:
-    """A freshly initialised block drafter sized for ``target`` (the trainer's start, ``--random-drafter``)."""
+    """A freshly initialised block drafter sized for ``target`` (the trainer's start, ``--random-drafter``).
+
+    ``target`` is only read (sizes, embedding table): its aux layers stay as they are. Whoever runs the target
+    for this drafter points them at ``drafter.config.aux_layer_ids`` (the decoder does, ``resolve_block_spec``;
+    the online trainer does), so that making a drafter never changes what another user of the target sees.
+    """
     n = draft_vocab.draft_vocab_size if draft_vocab is not None else overrides.pop("draft_vocab_size", None)
     cfg = BlockDrafterConfig.from_target(target, kind, draft_vocab_size=n, **overrides)
     if seed is not None:
@@ -477,7 +487,9 @@ def new_block_drafter(target, kind: str = "dflash", draft_vocab: vocab_mod.Draft
     own = cfg.hidden_size != target.embed_tokens.weight.shape[1]
     drafter = BlockDrafter(cfg, draft_vocab=draft_vocab, own_embedding=own)
     init_weights(drafter)
-    return attach(drafter, target).to(device=target.device, dtype=target.dtype).eval()
+    check_fits(cfg, target)
+    drafter.bind_embeddings(target.embed_tokens)
+    return drafter.to(device=target.device, dtype=target.dtype).eval()
 
 
 @torch.no_grad()

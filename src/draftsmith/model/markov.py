@@ -37,14 +37,19 @@ class MarkovHead(nn.Module):
         """The rank-r embedding of the previous (target) token; the confidence head reads it too."""
         return self.markov_w1(prev_ids.long())
 
-    def step(self, prev_ids: torch.Tensor, hid: torch.Tensor,
-             state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Bias for one draft position of every row: prev_ids [...], hid [..., H] -> ([..., Vd], next state)."""
-        return self.markov_w2(self.embed(prev_ids).to(self.markov_w2.weight.dtype)), state
+    def step(self, prev_ids: torch.Tensor, hid: torch.Tensor, state: torch.Tensor | None = None,
+             embedded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bias for one draft position of every row: prev_ids [...], hid [..., H] -> ([..., Vd], next state).
 
-    def block(self, prev_ids: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
+        ``embedded``: ``embed(prev_ids)`` when the caller has it (the trainer shares one lookup with the confidence
+        head: one gradient of the vocabulary-sized table instead of two)."""
+        e = self.embed(prev_ids) if embedded is None else embedded
+        return self.markov_w2(e.to(self.markov_w2.weight.dtype)), state
+
+    def block(self, prev_ids: torch.Tensor, hid: torch.Tensor, embedded: torch.Tensor | None = None
+              ) -> torch.Tensor:
         """Teacher-forced biases for whole blocks: prev_ids [..., K], hid [..., K, H] -> [..., K, Vd]."""
-        return self.step(prev_ids, hid)[0]
+        return self.step(prev_ids, hid, embedded=embedded)[0]
 
 
 class GatedMarkovHead(MarkovHead):
@@ -54,8 +59,8 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def step(self, prev_ids, hid, state=None):
-        e = self.embed(prev_ids).to(hid.dtype)
+    def step(self, prev_ids, hid, state=None, embedded=None):
+        e = (self.embed(prev_ids) if embedded is None else embedded).to(hid.dtype)
         gate = torch.sigmoid(self.gate_proj(torch.cat([hid, e], dim=-1)))
         return self.markov_w2(gate * e), state
 
@@ -67,8 +72,8 @@ class RNNMarkovHead(MarkovHead):
         super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
-    def step(self, prev_ids, hid, state=None):
-        e = self.embed(prev_ids).to(hid.dtype)
+    def step(self, prev_ids, hid, state=None, embedded=None):
+        e = (self.embed(prev_ids) if embedded is None else embedded).to(hid.dtype)
         if state is None:
             state = torch.zeros_like(e)
         gate, cand, out = self.joint_proj(torch.cat([state, e, hid], dim=-1)).chunk(3, dim=-1)
@@ -76,10 +81,11 @@ class RNNMarkovHead(MarkovHead):
         state = gate * state + (1.0 - gate) * torch.tanh(cand)
         return self.markov_w2(torch.tanh(out)), state
 
-    def block(self, prev_ids, hid):
+    def block(self, prev_ids, hid, embedded=None):
         state, biases = None, []
         for j in range(prev_ids.shape[-1]):
-            bias, state = self.step(prev_ids[..., j], hid[..., j, :], state)
+            e = None if embedded is None else embedded[..., j, :]
+            bias, state = self.step(prev_ids[..., j], hid[..., j, :], state, e)
             biases.append(bias)
         return torch.stack(biases, dim=-2)
 

@@ -231,6 +231,12 @@ class CaptureReport:
 
 
 # --- the store's provenance and the reading side ----------------------------------------------------------
+#: What a store holds: the target's features (aux hidden states at any layers, the final hidden state), which
+#: every drafter kind trains from. Stores written before the block kinds name it by its first user.
+FEATURES_KIND = "target-features"
+LEGACY_FEATURES_KINDS = ("eagle3-features",)
+
+
 def store_meta(target, tokenizer, *, max_length: int, long: LongPolicy, target_dtype: str | None = None
                ) -> dict[str, Any]:
     """The provenance a store carries; identical meta is what lets a rerun resume into the same store.
@@ -239,7 +245,7 @@ def store_meta(target, tokenizer, *, max_length: int, long: LongPolicy, target_d
     (vLLM capture: a weightless view of the target gives the fingerprint, the engine the numbers).
     """
     return {
-        "kind": "eagle3-features",
+        "kind": FEATURES_KIND,
         "aux_layer_ids": [int(x) for x in target.aux_layers],
         "aux_layer_convention": AUX_CONVENTION,
         "hidden_size": int(target.hidden_size),
@@ -251,6 +257,19 @@ def store_meta(target, tokenizer, *, max_length: int, long: LongPolicy, target_d
         "max_length": int(max_length),
         "long_policy": long,
     }
+
+
+def resume_meta(root: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` as an existing store at ``root`` names its kind: a store written under the legacy kind name (same
+    features) resumes instead of being refused as different. Anything else about the store is the writer's to
+    check."""
+    try:
+        stored = json.loads((Path(root) / MANIFEST_NAME).read_text(encoding="utf-8")).get("meta") or {}
+    except (OSError, ValueError, AttributeError, RecursionError):  # none yet, or the writer's error to report
+        return meta
+    if stored.get("kind") in LEGACY_FEATURES_KINDS and meta.get("kind") == FEATURES_KIND:
+        return {**meta, "kind": stored["kind"]}
+    return meta
 
 
 def read_conversations(config: CaptureConfig):
@@ -476,7 +495,7 @@ def capture_with(target, tokenizer, config: CaptureConfig, make_run: RunFactory,
     progress = _Progress(total, show)
     fresh = not config.out.exists()
     try:
-        with FeatureStoreWriter(config.out, meta=meta, dtype=config.dtype,
+        with FeatureStoreWriter(config.out, meta=resume_meta(config.out, meta), dtype=config.dtype,
                                 shard_max_bytes=config.shard_max_bytes) as writer:
             run = make_run(writer, report, progress)
             for line_no, item in read_conversations(config):

@@ -257,7 +257,8 @@ def block_objective(drafter, batch: TTTBatch, teacher, spec: BlockSpec,
     prev = batch.input_ids[rows[:, None], before]  # the token before each label (teacher-forced Markov input)
     base = drafter.logits(hidden).float()
     markov = getattr(drafter, "markov_head", None)
-    logits = base + markov.block(prev, hidden).float() if markov is not None else base
+    embedded = markov.embed(prev) if markov is not None else None  # one lookup for the Markov and confidence heads
+    logits = base + markov.block(prev, hidden, embedded).float() if markov is not None else base
     t_probs, t_choice = probs[rows[:, None], before], choice[rows[:, None], before]
     t_in = in_draft[rows[:, None], before]
     decay = torch.exp(-torch.arange(spec.drafted, device=logits.device, dtype=torch.float32) / spec.gamma)
@@ -270,7 +271,7 @@ def block_objective(drafter, batch: TTTBatch, teacher, spec: BlockSpec,
     l1 = (logp.exp() - t_probs.float()).abs().sum(-1)
     if spec.l1_weight:
         total = total + spec.l1_weight * _weighted_mean(l1, w)
-    conf = drafter.confidence_logits(hidden, prev) if spec.confidence_weight else None
+    conf = drafter.confidence_logits(hidden, prev, embedded) if spec.confidence_weight else None
     if conf is not None:
         accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()  # sum_v min(p_v, q_v): the slot's acceptance
         bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")

@@ -102,8 +102,8 @@ def layer_mismatch(cfg: TrainConfig, ids, store_aux) -> str:
 
 
 def check_drafter_layers(cfg: TrainConfig, drafter, store_aux: tuple[int, ...] | None, target=None) -> None:
-    """An ``init_drafter`` reads its own layers: the store must hold exactly those (online: the target captures
-    them)."""
+    """A drafter (an ``init_drafter``, or a new one) reads its own layers: the store must hold exactly those
+    (online: the target is pointed at them here)."""
     if cfg.kind == "eagle3":
         return
     ids = tuple(drafter.config.target_layer_ids)

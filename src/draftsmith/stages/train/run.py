@@ -276,6 +276,7 @@ def _setup_drafter(cfg, heads, dv, aux_layers, device, dtype, target=None) -> Ea
     else:
         overrides = block_overrides(cfg, (aux_layers or None) if target is None else None)
         drafter = get_kind(cfg.kind).new(like_target, draft_vocab=dv, seed=cfg.seed, **overrides)
+        check_drafter_layers(cfg, drafter, aux_layers, target)  # online: the target captures the drafter's layers
     if cfg.init_head:
         init_head(drafter, heads.lm_head_weight, heads.final_norm_weight)
     return drafter.to(device=device, dtype=dtype).train()
