@@ -29,9 +29,12 @@ CARD_SCHEMA = "draftsmith-card/1"
 #: The embedded default's hub id (``smollm2`` in draftsmith's commands).
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: The hub's ``library_name`` for each layout: the library that loads the folder as written.
-LIBRARY = {"vllm": "vllm", "speculators": "speculators", "sglang": "sglang", "gguf": "gguf"}
+LIBRARY = {"vllm": "vllm", "speculators": "speculators", "sglang": "sglang", "gguf": "gguf", "openvino": "openvino"}
 #: Engines whose serve line the card prints, per layout (vLLM reads the SGLang layout too: it carries both ids).
-ENGINES = {"vllm": ("vllm",), "speculators": ("vllm",), "sglang": ("sglang", "vllm"), "gguf": ("llama.cpp",)}
+ENGINES = {"vllm": ("vllm",), "speculators": ("vllm",), "sglang": ("sglang", "vllm"), "gguf": ("llama.cpp",),
+           "openvino": ("openvino",)}
+#: ``draftsmith check --engine`` for each layout.
+CHECK_ENGINE = {"gguf": "llamacpp", "openvino": "openvino"}
 #: The acceptance the card promises is taken this far (vLLM and llama.cpp serve chains of k drafts).
 MAX_K = 8
 
@@ -187,7 +190,12 @@ def usage_lines(fmt: str, where: str, base_model: str | None, k: int, target_ggu
                              f"--speculative-num-draft-tokens {k + 1}")
         elif engine == "llama.cpp" and llama_line:
             out["llama.cpp"] = llama_line
-    out["check"] = (f"draftsmith check --engine {'llamacpp' if fmt == 'gguf' else 'vllm'} --target "
+        elif engine == "openvino":
+            out["openvino"] = (f"python -c \"import openvino_genai as og; p = og.LLMPipeline('TARGET_IR', 'CPU', "
+                               f"draft_model=og.draft_model({where!r}, 'CPU'), KV_CACHE_PRECISION='f32'); "
+                               f"c = og.GenerationConfig(max_new_tokens=128, num_assistant_tokens={k}); "
+                               f"print(p.generate('Hello', c))\"")
+    out["check"] = (f"draftsmith check --engine {CHECK_ENGINE.get(fmt, 'vllm')} --target "
                     f"{shlex.quote(target_gguf or target)} --drafter {shlex.quote(where)}")
     return out
 
@@ -259,7 +267,12 @@ def render_card(facts: dict) -> str:
         lines += [f"Acceptance length (accepted drafts + 1 per verify pass) of a greedy chain of k drafts, from the "
                   f"{exp['source']}; {where}.", "",
                   "| k | " + " | ".join(exp["by_k"]) + " |", "|---|" + "---|" * len(exp["by_k"]),
-                  "| acceptance length | " + " | ".join(f"{v:.2f}" for v in exp["by_k"].values()) + " |", "",
+                  "| acceptance length | " + " | ".join(f"{v:.2f}" for v in exp["by_k"].values()) + " |"]
+        if exp.get("per_position") and "block_size" in facts:  # a block drafter: the rate at each draft slot
+            pos = exp["per_position"][: len(exp["by_k"])]
+            lines.append("| accepted at this position (given the earlier ones) | "
+                         + " | ".join(f"{a:.2f}" for a in pos) + " |")
+        lines += ["",
                   "`draftsmith check` compares an engine's served acceptance with these numbers; far below them is a "
                   "silent collapse (a convention the engine reads otherwise), not a weak drafter.", ""]
     else:
@@ -273,10 +286,15 @@ def render_card(facts: dict) -> str:
         lines.append("")
     lines += ["## Drafter", "",
               f"- aux layer ids {facts['aux_layer_ids']} ({facts['aux_layer_ids_convention']})",
-              f"- draft vocabulary {facts['draft_vocab_size']} of {facts['vocab_size']}",
-              f"- norm_before_residual {facts['norm_before_residual']}; EAGLE-3.1 norms "
-              f"{[k for k, on in facts['norms'].items() if on] or 'none'}",
-              f"- draft tokens per step in the serve lines: {facts['num_speculative_tokens']}", ""]
+              f"- draft vocabulary {facts['draft_vocab_size']} of {facts['vocab_size']}"]
+    if "block_size" in facts:
+        lines += [f"- block size {facts['block_size']}, {facts['num_speculative_tokens']} drafts a round; slot "
+                  f"convention {facts['slot_meaning']} (an engine reading the other one drafts every token one "
+                  "position off)", f"- mask token id {facts['mask_token_id']}", ""]
+    else:
+        lines += [f"- norm_before_residual {facts['norm_before_residual']}; EAGLE-3.1 norms "
+                  f"{[k for k, on in facts['norms'].items() if on] or 'none'}",
+                  f"- draft tokens per step in the serve lines: {facts['num_speculative_tokens']}", ""]
     tr = facts["training"]
     lines += ["## Training", ""]
     if tr:
