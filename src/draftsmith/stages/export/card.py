@@ -302,6 +302,15 @@ def render_card(facts: dict) -> str:
                   "- recipe: " + ", ".join(f"{k}={v}" for k, v in tr["recipe"].items()), ""]
     else:
         lines += ["Not recorded (the drafter was not exported from a draftsmith run directory).", ""]
+    if facts.get("checks"):
+        lines += ["## Checked in engines", "", "`draftsmith check --record`: the pair decoded in the engine, greedy, "
+                  "its own counters against the expected acceptance.", "",
+                  "| engine | version | k | prompts | served acceptance length | expected | date |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {c['engine']} | {c['version']} | {c['k']} | {c['prompts']} ({c['prompt_source']}) | "
+                  f"{c['served_tau']:.3f} | {c['expected_tau']:.3f} ({c['expected_from']}) | {c['date']} |"
+                  for c in facts["checks"]]
+        lines.append("")
     v = facts["versions"]
     lines += ["## Versions", "",
               f"- draftsmith {v['draftsmith']}, torch {v['torch']}, transformers {v['transformers']}"]
@@ -317,6 +326,37 @@ def write_card(out_dir: str | Path, facts: dict) -> tuple[Path, Path]:
     atomic_write(js, (json.dumps(facts, indent=2) + "\n").encode())
     atomic_write(readme, render_card(facts).encode())
     return readme, js
+
+
+def record_check(path: str | Path, check: dict) -> Path:
+    """Add a passed ``draftsmith check`` to the drafter's card: the engine's version under versions.engines and the
+    run (engine, version, k, prompts, served and expected acceptance, date) under ``checks``, replacing an earlier
+    one for the same engine and k. drafter_card.json is rewritten atomically; README.md too when it is the card's
+    own rendering (a README.md of the user's is kept, as export keeps it). Returns the JSON's path."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    facts = read_card(folder)
+    if facts is None:
+        raise ValueError(f"{folder}: no drafter_card.json to record the check into (export it with draftsmith)")
+    readme = folder / CARD_FILE
+    ours = not readme.exists() or _is_card_readme(readme.read_text(), facts)
+    facts.setdefault("versions", {}).setdefault("engines", {})[check["engine"]] = check["version"]
+    facts["checks"] = [c for c in facts.get("checks") or []
+                       if (c.get("engine"), c.get("k")) != (check["engine"], check["k"])] + [check]
+    atomic_write(folder / CARD_JSON, (json.dumps(facts, indent=2) + "\n").encode())
+    if ours:
+        atomic_write(readme, render_card(facts).encode())
+    return folder / CARD_JSON
+
+
+def _is_card_readme(text: str, facts: dict) -> bool:
+    """README.md as the card rendered it (or, after a kill between the two writes, a rendering of a later one)."""
+    try:
+        if text == render_card(facts):
+            return True
+    except (KeyError, TypeError, ValueError):
+        pass
+    return f"Machine-readable: `{CARD_JSON}`." in text and "made with draftsmith" in text
 
 
 def read_card(path: str | Path) -> dict | None:
