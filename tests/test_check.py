@@ -304,3 +304,35 @@ def test_check_record_keeps_a_users_readme_and_needs_a_card(pair, tmp_path, monk
     assert (drafter / CARD_FILE).read_text() == "# my own notes\n"
     assert read_card(drafter)["checks"][0]["engine"] == "llamacpp"
     assert main([*args, str(pair["best"])]) == 2  # a draftsmith folder: no card to record into
+
+
+# --- check --engine sglang, end to end against the stand-in SGLang server (testing/fake_sglang.py) --------------
+@pytest.mark.parametrize("served", ["as trained", "collapsed"])
+def test_sglang_check_end_to_end_against_a_stand_in_server(pair, tmp_path, monkeypatch, served):
+    from draftsmith.data.chat import stop_token_ids
+    from draftsmith.stages.decode import SpeculativeDecoder
+    from draftsmith.testing.fake_sglang import write_fake_sglang
+
+    target, drafter = load_pair(pair["target"], pair["best"])
+    eos = stop_token_ids(target.tokenizer)
+    plain = SpeculativeDecoder(target)
+    outputs = {",".join(map(str, p)): plain.generate(p, NEW, eos_token_ids=eos).token_ids for p in pair["prompts"]}
+    own, _ = chain_tau(target, drafter, pair["prompts"], K, NEW, eos)
+    n = len(next(iter(outputs.values())))
+    per_token = (1.0 / own) if served == "as trained" else 0.9  # verify passes per token: tau ~own, or ~1.05
+    py = write_fake_sglang(tmp_path / "env")
+    (tmp_path / "fake.json").write_text(json.dumps({"outputs": outputs, "verify_per_token": per_token,
+                                                    "log": str(tmp_path / "log.jsonl")}))
+    monkeypatch.setenv("FAKE_SGLANG", str(tmp_path / "fake.json"))
+    # draftsmith's own folder: exported as SGLang's layout on the fly (the vLLM layout's architecture name is one
+    # SGLang does not register, which doctor blocks)
+    r = run_check(CheckOptions(engine="sglang", target=pair["target"], drafter=str(pair["best"]),
+                               prompts=pair["prompts"], k=K, max_new_tokens=NEW, sglang_python=str(py),
+                               reference_drafter=str(pair["best"]), replay=False))
+    assert r.engine_version == "0.0.fake", (r.verdict, r.doctor, r.notes)
+    assert r.equality.identical == len(pair["prompts"]), r.summary()
+    assert n > 4 and r.own_tau == pytest.approx(own)
+    if served == "as trained":
+        assert r.verdict == "pass" and r.exit_code == 0, r.summary()
+    else:
+        assert r.served_tau < 1.2 and r.verdict == "silent collapse" and r.exit_code == 1, r.summary()

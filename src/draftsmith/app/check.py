@@ -25,7 +25,9 @@ def add_check_parser(sub) -> None:
                                    "expected acceptance (or draftsmith's own decoder on the same prompts). Exit 0: "
                                    "served as trained; 1: a silent collapse or partial loss (with its likely cause "
                                    "and fix), a real divergence from plain, or doctor's blocking finding.")
-    p.add_argument("--engine", required=True, choices=["vllm", "llamacpp", "openvino"])
+    p.add_argument("--engine", required=True, choices=["vllm", "llamacpp", "openvino", "sglang"],
+                   help="sglang: launched as a server from --sglang-python (built and tested against a stand-in "
+                        "server only: SGLang needs a GPU build)")
     p.add_argument("--target", required=True,
                    help="as the engine loads it: a model directory or hub id (vllm), a .gguf or 'smollm2' (llamacpp), "
                         "a Hugging Face folder or 'smollm2' (openvino: converted once to an fp32 IR)")
@@ -46,6 +48,8 @@ def add_check_parser(sub) -> None:
                    help="the draftsmith drafter a .gguf was exported from (reference decode and fault replays)")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="vllm: the Python of vLLM's environment (default: the one the `vllm` command runs)")
+    p.add_argument("--sglang-python", default=None, metavar="PYTHON",
+                   help="sglang: the Python of SGLang's environment (python -m sglang.launch_server runs there)")
     p.add_argument("--openvino-python", default=None, metavar="PYTHON",
                    help="openvino: the Python of OpenVINO's environment (default .venv-openvino: make openvino-env)")
     p.add_argument("--threads", type=int, default=1, help="llamacpp, openvino: CPU threads (default 1)")
@@ -121,13 +125,20 @@ def check_command(args) -> int:
 
         target = engine_model_name(args.target)[0]
         python = args.vllm_python or vllm_python_of(None)
+    if args.engine == "sglang":
+        if not args.sglang_python:
+            raise UsageError("check --engine sglang needs --sglang-python PYTHON: the Python of SGLang's environment "
+                             "(SGLang is not a draftsmith dependency; it needs a GPU build)")
+        from draftsmith.app.serve import check_executable
+
+        check_executable(args.sglang_python, flag="--sglang-python")
     prompts = check_prompts(_tokenizer(args.engine, args.target), args.prompts, args.limit)
     try:
         report = run_check(CheckOptions(
             engine=args.engine, target=target, drafter=args.drafter, prompts=prompts, prompt_source=args.prompts,
             k=k, max_new_tokens=args.max_new_tokens, draftsmith_target=args.draftsmith_target,
             reference_drafter=args.reference_drafter, vllm_python=python, threads=args.threads, force=args.force,
-            replay=args.replay, openvino_python=ov_python))
+            replay=args.replay, openvino_python=ov_python, sglang_python=args.sglang_python))
     except (RuntimeError, ValueError) as e:  # the engine's process failed, or options it cannot use (OpenVinoError)
         raise UsageError(f"check: {' '.join(str(e).split())[:400]}") from None
     if report.doctor and not args.json:

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.stages.check.engines import EngineOutcome, run_llamacpp, run_openvino, run_vllm
+from draftsmith.stages.check.engines import EngineOutcome, run_llamacpp, run_openvino, run_sglang, run_vllm
 from draftsmith.stages.check.signatures import (
     CAUSES,
     cause_of_replay,
@@ -24,7 +24,7 @@ from draftsmith.stages.check.signatures import (
 )
 from draftsmith.stages.check.verdict import COLLAPSE, Equality, acceptance_verdict, compare_outputs, gain_ratio
 
-ENGINES = ("vllm", "llamacpp", "openvino")
+ENGINES = ("vllm", "llamacpp", "openvino", "sglang")
 
 
 @dataclass
@@ -43,6 +43,7 @@ class CheckOptions:
     kv_cache_bytes: int | None = 64 << 20
     threads: int = 1
     openvino_python: str | None = None  # OpenVINO's environment (default .venv-openvino)
+    sglang_python: str | None = None  # SGLang's environment (a GPU machine's; not run here)
     force: bool = False
     replay: bool = True
 
@@ -216,6 +217,8 @@ def _engine_files(opts: CheckOptions, tmp: Path) -> Path:
 
     if detect_format(p) in ("vllm", "speculators", "sglang"):
         return p
+    if opts.engine == "sglang":  # SGLang's own numbering of the tapped layers (eagle_config)
+        return export_drafter(p, tmp / "sglang", "sglang", dtype="fp32").path
     return export_drafter(p, tmp / "vllm", "vllm", dtype="fp32").path
 
 
@@ -246,7 +249,7 @@ def _card_findings(opts: CheckOptions, served: Path, card: dict | None, report: 
         report.notes.append("the drafter carries no card (drafter_card.json): the served files cannot be compared "
                             "with what was trained; draftsmith's decoder is the reference")
         return
-    target = opts.target if opts.engine in ("vllm", "openvino") else None
+    target = opts.target if opts.engine in ("vllm", "openvino", "sglang") else None
     for cause, evidence in causes_from_card(card, served_facts(served, opts.engine, target, opts.openvino_python)):
         report.findings.append(Finding(cause, evidence))
 
@@ -267,6 +270,10 @@ def _run_engine(opts: CheckOptions, served: Path) -> EngineOutcome:
         target_ir = openvino_target(opts.target, python=opts.openvino_python)
         return run_openvino(target_ir, served, opts.prompts, opts.k, opts.max_new_tokens, eos=eos,
                             threads=opts.threads, python=opts.openvino_python)
+    if opts.engine == "sglang":
+        if not opts.sglang_python:
+            raise ValueError("check --engine sglang needs SGLang's Python (--sglang-python)")
+        return run_sglang(opts.sglang_python, opts.target, served, opts.prompts, opts.k, opts.max_new_tokens)
     if not opts.vllm_python:
         raise ValueError("check --engine vllm needs vLLM's Python (--vllm-python)")
     return run_vllm(opts.vllm_python, opts.target, served, opts.prompts, opts.k, opts.max_new_tokens,
@@ -291,7 +298,7 @@ def _reference(opts: CheckOptions, report: CheckReport):
                             "pass --draftsmith-target DIR")
         return None
     # llama.cpp and GenAI stop at end of generation; vLLM's check ignores it
-    eos = _stops(target) if opts.engine in ("llamacpp", "openvino") else ()
+    eos = _stops(target) if opts.engine in ("llamacpp", "openvino", "sglang") else ()
     runs = chain_runs(target, drafter, opts.prompts, opts.k, opts.max_new_tokens, eos)
     report.own_tau = tau_of(runs)
     report.own_per_prompt = [acc for acc, _, _ in runs]

@@ -189,3 +189,34 @@ def _openvino_served(name: str, runs: list[dict]) -> Served:
         out.per_prompt.append(acc)
         out.passes += max(len(r["tokens"]) - 1 - acc, 1)
     return out
+
+
+def run_sglang(python: str | Path, target: str, drafter_dir: str | Path, prompts: list[list[int]], k: int,
+               max_new_tokens: int, *, dtype: str = "auto", startup_s: float = 900.0) -> EngineOutcome:
+    """A plain SGLang server, then an EAGLE-3 one (chain of ``k``), each launched by ``python`` (SGLang's
+    environment) and stopped after its prompts; the counters are each response's ``meta_info``."""
+    from draftsmith.integrations.sglang import SglangError, SglangServer, counters, free_port, launch_argv, top_logprobs
+
+    runs, version = {}, "?"
+    for name, drafter in (("plain", None), ("speculative", drafter_dir)):
+        port = free_port()
+        out = Served(name, top=[] if name == "plain" else None)
+        try:
+            with SglangServer(launch_argv(python, target, port, drafter=drafter, k=k, dtype=dtype), port,
+                              startup_s=startup_s) as server:
+                version = str(server.get("/get_server_info").get("version") or version)
+                for ids in prompts:
+                    r = server.generate(ids, max_new_tokens, top_logprobs=2 if name == "plain" else 0)
+                    meta = r.get("meta_info") or {}
+                    out.token_ids.append([int(t) for t in r.get("output_ids") or []])
+                    if out.top is not None:
+                        out.top.append(top_logprobs(meta))
+                    if drafter is not None:
+                        acc, passes = counters(meta)
+                        out.accepted += acc
+                        out.passes += passes
+                        out.per_prompt.append(acc)
+        except SglangError as e:
+            out.error = str(e)
+        runs[name] = out
+    return EngineOutcome("sglang", version, runs["plain"], runs["speculative"])
