@@ -238,7 +238,7 @@ def test_openvino_runs_a_zero_pipeline_again_in_a_fresh_one(monkeypatch):
     out = run_openvino("t", "d", [[1], [2]], 3, 4, eos=[0])
     assert calls == [["plain", "speculative"], ["speculative"]]
     assert out.first_try is not None and out.first_try.accepted == 0 and out.first_try.passes == 8
-    assert out.spec.accepted == 4 and out.spec.per_prompt == [2, 2] and out.spec.tau == 2.0  # 5 tokens: prefill + 2 passes
+    assert out.spec.accepted == 4 and out.spec.per_prompt == [2, 2] and out.spec.tau == 2.0
     assert out.version == "2026.4.1.0"
     calls.clear()
     out = run_openvino("t", "refused", [[1], [2]], 3, 4, eos=[0])
