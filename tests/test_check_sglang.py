@@ -68,3 +68,14 @@ def test_cli_sglang_needs_its_python(tmp_path, capsys):
     assert main([*args, "--sglang-python", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "--sglang-python" in err and "Traceback" not in err
+
+
+def test_a_server_that_never_answers_is_stopped(tmp_path, monkeypatch):
+    import os
+
+    py = _fake(tmp_path, monkeypatch, hang=True)
+    out = run_sglang(py, "org/target", tmp_path / "drafter", PROMPTS, 3, 32, startup_s=3)
+    assert "did not answer /health in 3 s" in out.plain.error and "did not answer" in out.spec.error
+    for pid in (tmp_path / "launches.jsonl.pids").read_text().split():
+        with pytest.raises(ProcessLookupError):  # stopped and reaped, not left running
+            os.kill(int(pid), 0)

@@ -64,6 +64,14 @@ class SglangServer:
         env = {**os.environ}
         env.pop("PYTHONPATH", None)  # SGLang's environment, not ours
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_healthy()
+        except BaseException:  # a server that never came up is stopped too, and its log closed
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -71,7 +79,7 @@ class SglangServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
-                        return self
+                        return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
@@ -87,6 +95,7 @@ class SglangServer:
                 self.proc.wait(timeout=30)
         if self._log is not None:
             self._log.close()
+            self._log = None
 
     def tail(self, lines: int = 4) -> str:
         if self._log is None:

@@ -5,8 +5,8 @@ SGLang's ``meta_info`` fields (``completion_tokens``, ``spec_verify_ct``, ``outp
 ``write_fake_sglang(dir)`` writes a package ``sglang`` whose ``launch_server`` runs this, and a ``python`` script
 that puts it on the path (SGLang's "own environment"). What the fake serves is read from a JSON file named by
 $FAKE_SGLANG: ``outputs`` (prompt ids joined by commas -> output ids), ``verify_per_token`` (speculative verify
-passes per generated token), ``die_speculative`` (exit at start when drafting, with a message), ``log`` (a file
-each launch appends its argv to).
+passes per generated token after the first), ``die_speculative`` (exit at start when drafting, with a message),
+``hang`` (never answer), ``log`` (a file each launch appends its argv to; its pid goes to ``log``.pids).
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ def serve(argv: list[str]) -> int:
     spec = json.loads(Path(os.environ["FAKE_SGLANG"]).read_text())
     with open(spec["log"], "a") as f:
         f.write(json.dumps(argv) + "\n")
+    with open(spec["log"] + ".pids", "a") as f:
+        f.write(f"{os.getpid()}\n")
     drafting = args.speculative_algorithm is not None
+    if spec.get("hang"):  # never answers: a server stuck loading
+        import time
+
+        time.sleep(3600)
     if drafting and spec.get("die_speculative"):
         print("RuntimeError: fake SGLang cannot load the draft model", file=sys.stderr)
         return 3
