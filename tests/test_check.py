@@ -176,6 +176,7 @@ def test_a_pipeline_that_accepts_nothing_then_accepts_is_the_engines_zero_run(pa
     assert "#4425" in r.summary() and "accepted 0 drafts" in r.summary()
 
 
+@pytest.mark.slow  # the default run keeps to its three minutes; the zero-acceptance twin above runs there
 def test_a_crash_at_the_first_generate_then_a_good_run_is_named_too(pair, monkeypatch):
     crash = Served("speculative", error="OpenVINO's worker died (exit -11): Segmentation fault")
     r = _check_engine(pair, monkeypatch, _with_first_try(crash, retry_accepts=True))
@@ -307,7 +308,8 @@ def test_check_record_keeps_a_users_readme_and_needs_a_card(pair, tmp_path, monk
 
 
 # --- check --engine sglang, end to end against the stand-in SGLang server (testing/fake_sglang.py) --------------
-@pytest.mark.parametrize("served", ["as trained", "collapsed"])
+# The collapse in the default run, the pass with the slow suite (the default run keeps to its three minutes).
+@pytest.mark.parametrize("served", [pytest.param("as trained", marks=pytest.mark.slow), "collapsed"])
 def test_sglang_check_end_to_end_against_a_stand_in_server(pair, tmp_path, monkeypatch, served):
     from draftsmith.data.chat import stop_token_ids
     from draftsmith.stages.decode import SpeculativeDecoder
