@@ -338,3 +338,15 @@ def test_sglang_check_end_to_end_against_a_stand_in_server(pair, tmp_path, monke
         assert r.verdict == "pass" and r.exit_code == 0, r.summary()
     else:
         assert r.served_tau < 1.2 and r.verdict == "silent collapse" and r.exit_code == 1, r.summary()
+
+
+def test_cli_check_openvino_bad_target_is_one_line(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    assert main(["check", "--engine", "openvino", "--target", str(tmp_path / "nope"), "--drafter", str(tmp_path),
+                 "--openvino-python", str(tmp_path / "no-python")]) == 2
+    assert main(["check", "--engine", "openvino", "--target", str(tmp_path / "nope"), "--drafter", str(tmp_path),
+                 "--openvino-python", "/bin/sh"]) == 2
+    err = capsys.readouterr().err
+    assert "OpenVINO's environment is not installed" in err and "Hugging Face folder" in err
+    assert "Traceback" not in err
