@@ -28,7 +28,7 @@ class Cause:
 CAUSES: dict[str, Cause] = {c.id: c for c in (
     Cause("aux-ids-off-by-one", "aux layer ids read one layer off (output-of-layer vs input-of-layer numbering: "
           "SGLang's eagle_config lists them one lower than vLLM and llama.cpp read them)",
-          "re-export with `draftsmith export --format vllm|sglang|gguf` (it writes each engine's numbering), or set "
+          "re-export with `draftsmith export --format vllm|sglang|gguf|openvino` (each engine's numbering), or set "
           "eagle_aux_hidden_state_layer_ids to the card's aux_layer_ids", ("aux.off-by-one", "aux.engine-convention",
                                                                            "aux.conflict",
                                                                            "openvino.layer-ids")),
