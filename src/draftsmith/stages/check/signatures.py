@@ -84,8 +84,10 @@ def causes_from_card(card: dict, served: dict) -> list[tuple[str, str]]:
                     f"aux layer ids served {list(got)}, trained {want} (card)"))
     h = card.get("draft_ids_sha256")
     if h is not None:
-        if served.get("draft_ids_sha256") is None:
-            out.append(("d2t-missing", "the served files carry no d2t; the card's draft vocabulary is reduced "
+        if served.get("draft_ids_sha256") is None or served.get("draft_ids_identity"):
+            what = ("a d2t of zeros (draft id i read as target id i: what optimum-intel writes for a folder "
+                    "without one)" if served.get("draft_ids_identity") else "no d2t")
+            out.append(("d2t-missing", f"the served files carry {what}; the card's draft vocabulary is reduced "
                                        f"({card.get('draft_vocab_size')} of {card.get('vocab_size')})"))
         elif served["draft_ids_sha256"] != h:
             swapped = served.get("draft_ids_sha256_other_convention") == h
