@@ -353,8 +353,8 @@ def test_cli_check_openvino_bad_target_is_one_line(tmp_path, capsys):
 
 
 def test_an_identity_d2t_is_a_missing_one():
-    """optimum-intel converts a folder without d2t into an IR whose d2t is all zeros: GenAI reads draft id i as
-    target id i, as an engine without d2t does (measured: 1.42 against 2.66). The card names it d2t missing."""
+    """A d2t of zero offsets reads draft id i as target id i, as an engine without d2t does: the card names it d2t
+    missing, not another draft vocabulary."""
     from draftsmith.stages.check.files import _d2t_hashes
     from draftsmith.stages.check.signatures import causes_from_card
 

@@ -149,7 +149,7 @@ def test_vllm_serve_check_flags_a_planted_collapse(hf_world, tmp_path):
 
 
 # --- OpenVINO GenAI (make openvino-env): the good IR passes, each planted fault is caught with its cause ---------
-OPENVINO_CAUSE = {"layer-list-absent": "aux-ids-off-by-one", "d2t-dropped": "d2t-missing",
+OPENVINO_CAUSE = {"layer-list-absent": "aux-ids-off-by-one", "d2t-dropped": "wrong-draft-vocab",  # uninitialised d2t
                   "d2t-absolute": "d2t-offsets", "d2t-shuffled": "wrong-draft-vocab",
                   "norm-before-residual": "norm-before-residual"}
 

@@ -21,7 +21,7 @@ def _d2t_hashes(d2t: torch.Tensor | None, absolute: bool) -> dict:
     ar = torch.arange(d2t.numel(), dtype=torch.int64)
     read, other = (d2t, ar + d2t) if absolute else (ar + d2t, d2t)
     return {"draft_ids_sha256": _ids_hash(read), "draft_ids_sha256_other_convention": _ids_hash(other),
-            "draft_ids_identity": bool(torch.equal(read, ar))}  # what a converter writes for a missing d2t
+            "draft_ids_identity": bool(torch.equal(read, ar))}  # offsets of zeros: a d2t that maps nothing
 
 
 def served_facts(drafter: str | Path, engine: str, target: str | Path | None = None,

@@ -85,8 +85,7 @@ def causes_from_card(card: dict, served: dict) -> list[tuple[str, str]]:
     h = card.get("draft_ids_sha256")
     if h is not None:
         if served.get("draft_ids_sha256") is None or served.get("draft_ids_identity"):
-            what = ("a d2t of zeros (draft id i read as target id i: what optimum-intel writes for a folder "
-                    "without one)" if served.get("draft_ids_identity") else "no d2t")
+            what = "a d2t of zeros (draft id i read as target id i)" if served.get("draft_ids_identity") else "no d2t"
             out.append(("d2t-missing", f"the served files carry {what}; the card's draft vocabulary is reduced "
                                        f"({card.get('draft_vocab_size')} of {card.get('vocab_size')})"))
         elif served["draft_ids_sha256"] != h:
