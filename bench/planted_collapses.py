@@ -1,9 +1,12 @@
-"""Issue 52: plant each known silent fault into a good export of a fitted drafter, and record what llama.cpp does
+"""Issue 52: plant each known silent fault into a good export of a fitted drafter, and record what the engine does
 (refuses, crashes, or serves at what acceptance) and what doctor and ``draftsmith check`` say.
 
     PYTHONPATH=src .venv/bin/python bench/planted_collapses.py --out runs/planted [--reference]
+    PYTHONPATH=src .venv/bin/python bench/planted_collapses.py --engine openvino --out runs/planted-ov
 
-The pair: SmolLM2-135M as an F32 GGUF and a drafter fitted to its greedy continuations (``testing.planted``).
+The pair: SmolLM2-135M and a drafter fitted to its greedy continuations (``testing.planted``); for llama.cpp the
+target as an F32 GGUF and the drafter's fp32 GGUF, for OpenVINO GenAI both as fp32 IRs (``testing.planted_openvino``:
+the faults its converter and loader accept; the reference decode in draftsmith always runs there).
 Each case runs ``check`` in its own process (llama.cpp aborts the process on some malformed drafters).
 ``--reference`` also decodes in draftsmith and replays the faulty readings (slow on a loaded CPU).
 Writes planted.json and prints a markdown table.
@@ -54,8 +57,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/planted")
     ap.add_argument("--reference", action="store_true")
-    ap.add_argument("--cases", default=None, help="comma-separated subset of good and the GGUF faults")
+    ap.add_argument("--cases", default=None, help="comma-separated subset of good and the engine's faults")
+    ap.add_argument("--engine", choices=["llamacpp", "openvino"], default="llamacpp")
+    ap.add_argument("--no-replay", dest="replay", action="store_false",
+                    help="openvino: skip the replays of faulty readings (the card and doctor name these faults)")
     args = ap.parse_args()
+    if args.engine == "openvino":
+        return report(openvino_rows(Path(args.out), args.cases, args.replay), Path(args.out), "OpenVINO GenAI")
     from draftsmith.testing.planted import GGUF_FAULTS, llamacpp_world, plant_gguf
 
     out = Path(args.out)
@@ -73,8 +81,43 @@ def main() -> int:
                "reference_drafter": str(world["drafter_dir"]) if args.reference else None}
         rows[name] = run_case(job)
         print(name, json.dumps(rows[name])[:400], file=sys.stderr, flush=True)
+    return report(rows, out, "llama.cpp")
+
+
+def openvino_rows(out: Path, cases: str | None, replay: bool = True) -> dict:
+    """Each OpenVINO fault planted and checked (the reference drafter: the one the IR was converted from)."""
+    from draftsmith.testing.planted_openvino import OPENVINO_FAULTS, openvino_world, plant_openvino
+
+    world = openvino_world(out / "world")
+    rows = {}
+    for name in ("good", *OPENVINO_FAULTS):
+        if cases and name not in cases.split(","):
+            continue
+        done = out / "planted" / name
+        try:
+            if name == "good":
+                ir = world["good"]
+            elif (done / "drafter_card.json").is_file() and (done / "openvino_model.xml").is_file():
+                ir = done  # converted by an earlier run
+            else:
+                ir = plant_openvino(world, done, name)
+        except Exception as e:  # noqa: BLE001 - the converter refusing the fault is a row of the table
+            rows[name] = {"engine": f"not converted: {' '.join(str(e).split())[:300]}"}
+            continue
+        ref = world["nbr_drafter_dir"] if name == "norm-before-residual" else world["drafter_dir"]
+        job = {"engine": "openvino", "target": "smollm2", "drafter": str(ir), "prompts": world["prompts"], "k": 3,
+               "max_new_tokens": world["new_tokens"], "draftsmith_target": "smollm2", "force": True,
+               "reference_drafter": str(ref), "replay": replay}
+        rows[name] = run_case(job, timeout=900)
+        (out / "planted.partial.json").write_text(json.dumps(rows, indent=1))  # a long run keeps what it has
+        print(name, json.dumps(rows[name])[:400], file=sys.stderr, flush=True)
+    return rows
+
+
+def report(rows: dict, out: Path, engine: str) -> int:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "planted.json").write_text(json.dumps(rows, indent=1))
-    print("| case | llama.cpp | doctor | check verdict | cause named |")
+    print(f"| case | {engine} | doctor | check verdict | cause named |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
         causes = ", ".join(sorted({f["cause"] for f in r.get("findings", [])})) or "-"

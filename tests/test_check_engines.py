@@ -146,3 +146,44 @@ def test_vllm_serve_check_flags_a_planted_collapse(hf_world, tmp_path):
                        capture_output=True, text=True, timeout=1800, env=env)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "SILENT COLLAPSE" in p.stderr and "requests" in p.stderr
+
+
+# --- OpenVINO GenAI (make openvino-env): the good IR passes, each planted fault is caught with its cause ---------
+OPENVINO_CAUSE = {"layer-list-absent": "aux-ids-off-by-one", "d2t-dropped": "wrong-draft-vocab",  # uninitialised d2t
+                  "d2t-absolute": "d2t-offsets", "d2t-shuffled": "wrong-draft-vocab",
+                  "norm-before-residual": "norm-before-residual"}
+
+
+@pytest.fixture(scope="module")
+def ov_world(tmp_path_factory):
+    from draftsmith.integrations.openvino import available
+
+    if not available():
+        pytest.skip("OpenVINO's environment is not built (make openvino-env)")
+    from draftsmith.testing.planted_openvino import openvino_world
+
+    return openvino_world(tmp_path_factory.mktemp("planted-ov"))
+
+
+def _ov_job(world, ir, reference) -> dict:
+    return {"engine": "openvino", "target": "smollm2", "drafter": str(ir), "prompts": world["prompts"], "k": 3,
+            "max_new_tokens": world["new_tokens"], "draftsmith_target": "smollm2", "force": True,
+            "reference_drafter": str(reference)}
+
+
+def test_openvino_good_export_passes_check(ov_world):
+    r = _check(_ov_job(ov_world, ov_world["good"], ov_world["drafter_dir"]))
+    assert r["verdict"] == "pass" and r["exit_code"] == 0, r
+    assert abs(r["served_tau"] - r["draftsmith_tau"]) <= 0.1 * r["draftsmith_tau"], r  # issue 52's OpenVINO goal
+    assert r["equality"]["identical"] == r["equality"]["compared"], r  # f32 over an f32 KV cache: equal to plain
+
+
+@pytest.mark.parametrize("fault", sorted(OPENVINO_CAUSE))
+def test_openvino_planted_fault_is_caught(ov_world, tmp_path, fault):
+    from draftsmith.testing.planted_openvino import plant_openvino
+
+    ir = plant_openvino(ov_world, tmp_path / fault, fault)
+    ref = ov_world["nbr_drafter_dir"] if fault == "norm-before-residual" else ov_world["drafter_dir"]
+    r = _check(_ov_job(ov_world, ir, ref))
+    assert r["exit_code"] == 1, r
+    assert r["doctor_blocking"] or OPENVINO_CAUSE[fault] in {f["cause"] for f in r["findings"]}, r

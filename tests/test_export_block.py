@@ -231,3 +231,62 @@ def test_import_zlab_needs_the_target_head():
     head = torch.randn(256, 64)
     d = drafter_from_checkpoint(src, lm_head_from=head)
     assert torch.equal(d.lm_head.weight, head)
+
+
+# --- the model card (issue 52): block exports carry it like EAGLE-3 exports ------------------------------------
+def _run_with_eval(tmp_path, acc):
+    """A training run's folder (config.json) with best/eval.json: what the card's expectation is read from."""
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"target": "org/target", "store": "runs/store", "ttt_steps": 1,
+                                                 "eval_fraction": 0.05, "lr": 3e-4}))
+    (run / "best" / "eval.json").write_text(json.dumps({"step": 40, "acc": acc, "tokens": 1000}))
+    return run / "best"
+
+
+@pytest.mark.parametrize("kind,fmt", [("dflash", "vllm"), ("dspark", "sglang"), ("dspark", "speculators")])
+def test_block_export_writes_a_card_the_hub_parses(tmp_path, kind, fmt):
+    from huggingface_hub import ModelCard
+
+    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, read_card
+
+    ckpt = random_block_checkpoint(tiny_spec(kind, **({"slot": bf.FILL_IN} if kind == "dflash" else {})))
+    ckpt.source = str(_run_with_eval(tmp_path, [0.9, 0.8, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1]))
+    out = tmp_path / "out"
+    export_block(ckpt, out, fmt, dtype="fp32", verifier="org/target", card={"license": "apache-2.0"})
+    card = ModelCard.load(out / CARD_FILE)
+    assert card.data.base_model == "org/target" and card.data.license == "apache-2.0"
+    assert kind in card.data.tags and "speculative-decoding" in card.data.tags
+    facts = read_card(out)
+    s = ckpt.spec
+    assert facts["kind"] == kind and facts["block_size"] == s.block_size and facts["slot"] == s.slot
+    assert facts["num_speculative_tokens"] == s.drafts and facts["aux_layer_ids"] == list(s.aux_layer_ids)
+    exp = facts["expected_acceptance"]
+    assert exp["per_position"][:3] == [0.9, 0.8, 0.5]
+    assert exp["by_k"]["2"] == pytest.approx(1 + 0.9 + 0.9 * 0.8)
+    engine = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang"}[fmt]
+    assert engine in facts["usage"]
+    if fmt == "vllm":
+        assert f'"method": "{kind}"' in facts["usage"]["vllm"]
+    if fmt == "sglang":
+        assert f"--speculative-algorithm {kind.upper()}" in facts["usage"]["sglang"]
+    assert facts["training"]["data"] == "runs/store"
+    text = (out / CARD_FILE).read_text()
+    assert f"block size {s.block_size}" in text and "accepted at this position" in text
+    assert (out / CARD_JSON).is_file()
+
+
+def test_block_export_keeps_a_users_readme_and_swaps_in_whole(tmp_path):
+    from draftsmith.stages.export.card import CARD_FILE, read_card
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / CARD_FILE).write_text("# my notes\n")
+    (out / "notes.txt").write_text("kept")
+    ckpt = random_block_checkpoint(tiny_spec("dspark"))
+    export_block(ckpt, out, "vllm", dtype="fp32")
+    assert (out / CARD_FILE).read_text() == "# my notes\n"  # the user's: kept
+    assert read_card(out)["kind"] == "dspark" and (out / "notes.txt").read_text() == "kept"
+    assert not any(p.name.startswith(".out.") for p in tmp_path.iterdir())  # no staging left behind
+    export_block(ckpt, out, "vllm", dtype="fp32", overwrite=True)
+    assert read_card(out)["block_size"] == ckpt.spec.block_size

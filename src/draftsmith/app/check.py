@@ -18,19 +18,22 @@ DEFAULT_PROMPTS, DEFAULT_LIMIT, DEFAULT_NEW_TOKENS = "mt-bench", 8, 64
 
 
 def add_check_parser(sub) -> None:
-    p = sub.add_parser("check", help="decode the pair in vLLM or llama.cpp and check its acceptance against the "
-                                     "drafter's card (the measured twin of doctor)",
+    p = sub.add_parser("check", help="decode the pair in vLLM, llama.cpp or OpenVINO GenAI and check its acceptance "
+                                     "against the drafter's card (the measured twin of doctor)",
                        description="Run doctor, then decode N prompts in the engine plain and speculative (greedy), "
                                    "read the engine's own acceptance counters and compare them with the card's "
                                    "expected acceptance (or draftsmith's own decoder on the same prompts). Exit 0: "
                                    "served as trained; 1: a silent collapse or partial loss (with its likely cause "
                                    "and fix), a real divergence from plain, or doctor's blocking finding.")
-    p.add_argument("--engine", required=True, choices=["vllm", "llamacpp"])
+    p.add_argument("--engine", required=True, choices=["vllm", "llamacpp", "openvino", "sglang"],
+                   help="sglang: launched as a server from --sglang-python (built and tested against a stand-in "
+                        "server only: SGLang needs a GPU build)")
     p.add_argument("--target", required=True,
-                   help="as the engine loads it: a model directory or hub id (vllm), a .gguf or 'smollm2' (llamacpp)")
+                   help="as the engine loads it: a model directory or hub id (vllm), a .gguf or 'smollm2' (llamacpp), "
+                        "a Hugging Face folder or 'smollm2' (openvino: converted once to an fp32 IR)")
     p.add_argument("--drafter", required=True,
-                   help="a drafter folder (any layout export writes, or draftsmith's own: exported on the fly) or "
-                        "a drafter .gguf (llamacpp)")
+                   help="a drafter folder (any layout export writes, or draftsmith's own: exported on the fly), "
+                        "a drafter .gguf (llamacpp) or a draft IR folder (openvino)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS,
                    help="mt-bench (default), humaneval, or a prompts/conversations JSONL: first user turns")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=f"prompts to decode (default {DEFAULT_LIMIT})")
@@ -45,10 +48,17 @@ def add_check_parser(sub) -> None:
                    help="the draftsmith drafter a .gguf was exported from (reference decode and fault replays)")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="vllm: the Python of vLLM's environment (default: the one the `vllm` command runs)")
-    p.add_argument("--threads", type=int, default=1, help="llamacpp: CPU threads (default 1)")
+    p.add_argument("--sglang-python", default=None, metavar="PYTHON",
+                   help="sglang: the Python of SGLang's environment (python -m sglang.launch_server runs there)")
+    p.add_argument("--openvino-python", default=None, metavar="PYTHON",
+                   help="openvino: the Python of OpenVINO's environment (default .venv-openvino: make openvino-env)")
+    p.add_argument("--threads", type=int, default=1, help="llamacpp, openvino: CPU threads (default 1)")
     p.add_argument("--no-replay", dest="replay", action="store_false",
                    help="on a loss, do not replay the known faulty readings in draftsmith to name the cause")
     p.add_argument("--force", action="store_true", help="run the engine even when doctor blocks")
+    p.add_argument("--record", action="store_true",
+                   help="on a pass, write the engine's name and version and the served acceptance into the drafter's "
+                        "card (drafter_card.json, and README.md unless it is the user's), atomically")
     add_json_arg(p)
 
 
@@ -91,6 +101,19 @@ def check_command(args) -> int:
 
         if not available():
             raise UsageError("check --engine llamacpp needs xllamacpp: pip install 'draftsmith[llamacpp]'")
+    ov_python = None
+    if args.engine == "openvino":
+        from draftsmith.integrations.openvino import OpenVinoError, openvino_python
+        from draftsmith.stages.export.openvino import target_source_dir
+
+        try:
+            ov_python = str(openvino_python(args.openvino_python))
+        except OpenVinoError as e:
+            raise UsageError(str(e)) from None
+        target_source_dir(args.target)  # a Hugging Face folder or smollm2, refused in one line otherwise
+    if args.record and read_card(args.drafter) is None:
+        raise UsageError(f"--record writes into the drafter's card, and {args.drafter} has none (drafter_card.json): "
+                         "check an export of it (draftsmith export writes the card)")
     card = read_card(args.drafter) or (read_card(args.reference_drafter) if args.reference_drafter else None)
     k = args.num_speculative_tokens or (card or {}).get("num_speculative_tokens") or 3
     if k < 1:
@@ -102,16 +125,30 @@ def check_command(args) -> int:
 
         target = engine_model_name(args.target)[0]
         python = args.vllm_python or vllm_python_of(None)
+    if args.engine == "sglang":
+        if not args.sglang_python:
+            raise UsageError("check --engine sglang needs --sglang-python PYTHON: the Python of SGLang's environment "
+                             "(SGLang is not a draftsmith dependency; it needs a GPU build)")
+        from draftsmith.app.serve import check_executable
+
+        check_executable(args.sglang_python, flag="--sglang-python")
     prompts = check_prompts(_tokenizer(args.engine, args.target), args.prompts, args.limit)
     try:
         report = run_check(CheckOptions(
             engine=args.engine, target=target, drafter=args.drafter, prompts=prompts, prompt_source=args.prompts,
             k=k, max_new_tokens=args.max_new_tokens, draftsmith_target=args.draftsmith_target,
             reference_drafter=args.reference_drafter, vllm_python=python, threads=args.threads, force=args.force,
-            replay=args.replay))
-    except (RuntimeError, ValueError) as e:  # the engine's process failed, or options it cannot use
+            replay=args.replay, openvino_python=ov_python, sglang_python=args.sglang_python))
+    except (RuntimeError, ValueError) as e:  # the engine's process failed, or options it cannot use (OpenVinoError)
         raise UsageError(f"check: {' '.join(str(e).split())[:400]}") from None
     if report.doctor and not args.json:
         print(report.doctor, file=sys.stderr)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
+    if args.record and report.exit_code == 0:
+        from draftsmith.stages.export.card import record_check
+
+        where = record_check(args.drafter, report.card_record(args.prompts))
+        print(f"recorded {args.engine} {report.engine_version} in {where}", file=sys.stderr)
+    elif args.record:
+        print("not recorded: the check did not pass", file=sys.stderr)
     return report.exit_code

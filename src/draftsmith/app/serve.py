@@ -143,14 +143,15 @@ def _serve_checked(cmd: list[str], drafter, k: int, port: int | None, check: str
         raise UsageError(f"{cmd[0]}: cannot run it ({e.strerror or e}); pass --vllm-bin a vllm executable") from e
 
 
-def check_executable(path: str) -> None:
-    """``--vllm-bin``: a program that exists and may be run (``/etc/passwd`` is neither a Python nor a script)."""
+def check_executable(path: str, flag: str = "--vllm-bin") -> None:
+    """``--vllm-bin`` (or ``flag``): a program that exists and may be run (``/etc/passwd`` is neither a Python nor a
+    script)."""
     found = shutil.which(path) or path
     p = Path(found)
     if not p.is_file():
-        raise UsageError(f"--vllm-bin {path}: no such executable file")
+        raise UsageError(f"{flag} {path}: no such executable file")
     if not os.access(p, os.X_OK):
-        raise UsageError(f"--vllm-bin {path}: not executable (a vllm script, or a Python with vLLM installed)")
+        raise UsageError(f"{flag} {path}: not executable (a Python with the engine installed)")
 
 
 def _launch(cmd: list[str]):

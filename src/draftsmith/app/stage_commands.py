@@ -459,14 +459,22 @@ def _export_block(args) -> int:
         raise UsageError("block drafters share the target's embedding in every engine; drop --include-embeddings")
     if args.export_dtype == "q8_0" and args.format != "gguf":
         raise UsageError(f"--export-dtype q8_0 is for --format gguf; {args.format} takes bfloat16, float16 or float32")
+    if args.calibrate_target:
+        raise UsageError("--calibrate-target decodes with an EAGLE-3 chain; a block drafter's card gives training's "
+                         "held-out evaluation per position (drop --calibrate-target)")
+    for path in args.bench_report:
+        if not Path(path).is_file():
+            raise UsageError(f"--bench-report {path}: no such file")
+    card = {"license": args.license, "bench_reports": list(args.bench_report), "repo_id": args.push_to_hub}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = export_block_any(args.drafter, args.out, args.format, dtype=EXPORT_DTYPES[args.export_dtype],
-                                  target=args.target, verifier=args.verifier or args.target, overwrite=args.force)
+                                  target=args.target, verifier=args.verifier or args.target, overwrite=args.force,
+                                  card=card)
     for w in [*caught, *getattr(report, "warnings", [])]:
         print(f"draftsmith: warning: {getattr(w, 'message', w)}", file=sys.stderr)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
-    return 0
+    return _push(args, report.path.parent if args.format == "gguf" else report.path)
 
 
 def _export_gguf(args) -> int:
@@ -499,7 +507,8 @@ def _export_openvino(args) -> int:
                          "--include-embeddings")
     try:
         report = export_openvino(args.drafter, args.out, target=args.target, weight_format=args.openvino_weights,
-                                 overwrite=args.force, python=args.openvino_python, with_target=True)
+                                 overwrite=args.force, python=args.openvino_python, with_target=True,
+                                 card=_card_extra(args), num_speculative_tokens=args.num_speculative_tokens)
     except OpenVinoError as e:
         raise UsageError(str(e)) from e
     print(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(report).items()}) if args.json

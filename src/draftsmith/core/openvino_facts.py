@@ -107,6 +107,16 @@ def with_hidden_layers(xml_text: str, genai_ids: Iterable[int]) -> str:
     return '<?xml version="1.0"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
+def without_hidden_layers(xml_text: str) -> str:
+    """The IR text with no rt_info ``hidden_layers_list``: the draft as optimum-intel writes it (GenAI then taps its
+    default list)."""
+    root = ET.fromstring(xml_text)
+    rt = _model_rt_info(root)
+    for old in rt.findall(RT_HIDDEN_LAYERS):
+        rt.remove(old)
+    return '<?xml version="1.0"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
 def unread_switches(switches: dict) -> list[str]:
     """The drafter switches that are on but that the exported graph does not implement."""
     return [name for name in UNREAD_SWITCHES if bool(switches.get(name))]

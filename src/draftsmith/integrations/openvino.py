@@ -27,6 +27,9 @@ class OpenVinoError(DraftsmithError, RuntimeError):
 def openvino_python(explicit: str | Path | None = None) -> Path:
     """The Python of OpenVINO's environment: ``explicit``, else $DRAFTSMITH_OPENVINO_PYTHON, else the checkout's or
     the working directory's ``.venv-openvino``."""
+    if explicit and not Path(explicit).is_file():  # asked for: not silently another environment
+        raise OpenVinoError(f"--openvino-python {explicit}: no such Python; OpenVINO's environment is not installed "
+                            "there (make openvino-env builds .venv-openvino)")
     candidates = [explicit, os.environ.get(ENV_VAR), SRC_DIR.parent / VENV_DIR / "bin" / "python",
                   Path.cwd() / VENV_DIR / "bin" / "python"]
     for c in candidates:

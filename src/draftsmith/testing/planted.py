@@ -171,21 +171,17 @@ def write_f32_gguf(src: str | Path, dst: str | Path) -> None:
     w.close()
 
 
-def llamacpp_world(root: str | Path, new_tokens: int = 32) -> dict:
-    """SmolLM2 as an F32 GGUF, a drafter fitted to its greedy continuations of PROMPTS (test_llamacpp's recipe),
-    saved as a run (best/ with the fit's per-position accuracy as eval.json) and exported as an fp32 GGUF with its
-    card. The prompts come back as token ids (no chat template: the drafter was fitted on raw text)."""
+def fitted_smollm2_run(root: str | Path, new_tokens: int = 32) -> dict:
+    """A drafter fitted to SmolLM2's greedy continuations of PROMPTS (test_llamacpp's recipe), saved as a run
+    (best/ with the fit's per-position accuracy as eval.json) with the card's expectation decoded on the same
+    prompts (decoded.json). The prompts come back as token ids (no chat template: the drafter was fitted on raw
+    text). Fitted once per folder."""
     from draftsmith.core import vocab as vocab_mod
-    from draftsmith.model.sources import smollm2_gguf_path
     from draftsmith.model.target import load_target
     from draftsmith.stages.decode import SpeculativeDecoder
-    from draftsmith.stages.export.gguf import export_gguf
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    target_gguf = root / "smollm2-f32.gguf"
-    if not target_gguf.is_file():
-        write_f32_gguf(smollm2_gguf_path(), target_gguf)
     target = load_target("smollm2", pack=False, dtype=torch.float32)
     tok = target.tokenizer
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
@@ -209,11 +205,25 @@ def llamacpp_world(root: str | Path, new_tokens: int = 32) -> dict:
         cal = CalibrationSet(prompts, f"the {len(prompts)} prompts the drafter was fitted on", False)
         decoded = decoded_expectation(target, load_drafter(run / "best", target), cal, k=5, max_new_tokens=new_tokens)
         decoded_file.write_text(json.dumps(decoded))
-    decoded = json.loads(decoded_file.read_text())
+    return {"run": run, "drafter_dir": run / "best", "prompts": prompts, "new_tokens": new_tokens,
+            "decoded": json.loads(decoded_file.read_text())}
+
+
+def llamacpp_world(root: str | Path, new_tokens: int = 32) -> dict:
+    """SmolLM2 as an F32 GGUF and the fitted run (``fitted_smollm2_run``) exported as an fp32 GGUF with its card."""
+    from draftsmith.model.sources import smollm2_gguf_path
+    from draftsmith.stages.export.gguf import export_gguf
+
+    root = Path(root)
+    fitted = fitted_smollm2_run(root, new_tokens)
+    target_gguf = root / "smollm2-f32.gguf"
+    if not target_gguf.is_file():
+        write_f32_gguf(smollm2_gguf_path(), target_gguf)
+    run = fitted["run"]
     good_dir = root / "good"
     if good_dir.exists():
         shutil.rmtree(good_dir)
     good = export_gguf(run / "best", good_dir / "drafter.gguf", target=target_gguf, dtype="fp32",
-                       card={"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "decoded": decoded}).path
-    return {"target_gguf": target_gguf, "run": run, "drafter_dir": run / "best", "good": good, "prompts": prompts,
-            "new_tokens": new_tokens}
+                       card={"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "decoded": fitted["decoded"]}).path
+    return {"target_gguf": target_gguf, "run": run, "drafter_dir": run / "best", "good": good,
+            "prompts": fitted["prompts"], "new_tokens": new_tokens}

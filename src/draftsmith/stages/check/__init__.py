@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.stages.check.engines import EngineOutcome, run_llamacpp, run_vllm
+from draftsmith.stages.check.engines import EngineOutcome, run_llamacpp, run_openvino, run_sglang, run_vllm
 from draftsmith.stages.check.signatures import (
     CAUSES,
     cause_of_replay,
@@ -24,7 +24,7 @@ from draftsmith.stages.check.signatures import (
 )
 from draftsmith.stages.check.verdict import COLLAPSE, Equality, acceptance_verdict, compare_outputs, gain_ratio
 
-ENGINES = ("vllm", "llamacpp")
+ENGINES = ("vllm", "llamacpp", "openvino", "sglang")
 
 
 @dataclass
@@ -42,6 +42,8 @@ class CheckOptions:
     vllm_dtype: str = "float32"
     kv_cache_bytes: int | None = 64 << 20
     threads: int = 1
+    openvino_python: str | None = None  # OpenVINO's environment (default .venv-openvino)
+    sglang_python: str | None = None  # SGLang's environment (a GPU machine's; not run here)
     force: bool = False
     replay: bool = True
 
@@ -73,6 +75,8 @@ class CheckReport:
     notes: list[str] = field(default_factory=list)
     prompts: int = 0
     k: int = 0
+    served_per_prompt: list[int] = field(default_factory=list)
+    own_per_prompt: list[int] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -90,10 +94,22 @@ class CheckReport:
                 "exit_code": self.exit_code, "served_tau": self.served_tau, "expected_tau": self.expected_tau,
                 "expected_from": self.expected_from, "draftsmith_tau": self.own_tau, "card_tau": self.card_tau,
                 "k": self.k, "prompts": self.prompts, "doctor_blocking": self.doctor_blocking,
+                "served_accepted_per_prompt": self.served_per_prompt,
+                "draftsmith_accepted_per_prompt": self.own_per_prompt,
                 "findings": [f.to_dict() for f in self.findings], "replays": self.replays,
                 "equality": None if eq is None else {"compared": eq.compared, "identical": eq.identical,
                                                      "near_ties": eq.near_ties, "divergences": eq.divergences},
                 "notes": self.notes}
+
+    def card_record(self, prompt_source: str) -> dict:
+        """This check as the card records it (``check --record``, on a pass)."""
+        import datetime
+
+        return {"engine": self.engine, "version": self.engine_version, "k": self.k, "prompts": self.prompts,
+                "prompt_source": prompt_source, "served_tau": round(self.served_tau or 1.0, 4),
+                "expected_tau": round(self.expected_tau or 0.0, 4), "expected_from": self.expected_from,
+                "draftsmith_tau": None if self.own_tau is None else round(self.own_tau, 4),
+                "date": datetime.datetime.now(datetime.UTC).date().isoformat()}
 
     def summary(self) -> str:
         lines = [f"draftsmith check --engine {self.engine} ({self.engine} {self.engine_version}), chain k={self.k}, "
@@ -120,7 +136,8 @@ class CheckReport:
             lines.append("  replayed in draftsmith: " + ", ".join(f"{k} {v:.2f}" for k, v in self.replays.items()))
         lines += [f"  note: {n}" for n in self.notes]
         word = {"pass": "served as trained", "silent collapse": "SILENT COLLAPSE", "partial loss": "PARTIAL LOSS",
-                "files differ from the card": "FILES DIFFER FROM THE CARD"}
+                "files differ from the card": "FILES DIFFER FROM THE CARD",
+                "intermittent zero acceptance": "INTERMITTENT ZERO ACCEPTANCE (the engine's)"}
         lines.append(f"verdict: {word.get(self.verdict, self.verdict)} (exit {self.exit_code})")
         return "\n".join(lines)
 
@@ -144,11 +161,18 @@ def run_check(opts: CheckOptions) -> CheckReport:
             report.notes.append(f"{opts.engine}: {outcome.spec.error or outcome.plain.error}")
             return report
         report.served_tau = outcome.spec.tau
-        report.equality = compare_outputs(outcome.plain.token_ids, outcome.spec.token_ids, outcome.plain.top)
+        report.served_per_prompt = list(outcome.spec.per_prompt)
         if card is not None:
             report.card_tau = ((card.get("expected_acceptance") or {}).get("by_k") or {}).get(str(opts.k))
         pair = _reference(opts, report)
+        top = outcome.plain.top
+        if top is None and pair is not None:  # the engine gives no log-probabilities: the target's own, in draftsmith
+            from draftsmith.stages.check.replay import plain_top2
+
+            top = plain_top2(pair[0], opts.prompts, outcome.plain.token_ids, outcome.spec.token_ids)
+        report.equality = compare_outputs(outcome.plain.token_ids, outcome.spec.token_ids, top)
         _decide(opts, report, pair, outcome)
+        _zero_acceptance(report, outcome)
     return report
 
 
@@ -175,6 +199,14 @@ def _doctor(opts: CheckOptions, served: Path, report: CheckReport) -> bool:
 def _engine_files(opts: CheckOptions, tmp: Path) -> Path:
     """The drafter as the engine loads it: as given, or exported from draftsmith's own layout."""
     p = Path(opts.drafter)
+    if opts.engine == "openvino":
+        from draftsmith.core.openvino_facts import DRAFT_XML
+
+        if (p / DRAFT_XML).is_file():
+            return p
+        from draftsmith.stages.export.openvino import export_openvino
+
+        return export_openvino(p, tmp / "openvino", target=opts.target, python=opts.openvino_python).path
     if opts.engine == "llamacpp":
         if p.suffix == ".gguf":
             return p
@@ -185,6 +217,8 @@ def _engine_files(opts: CheckOptions, tmp: Path) -> Path:
 
     if detect_format(p) in ("vllm", "speculators", "sglang"):
         return p
+    if opts.engine == "sglang":  # SGLang's own numbering of the tapped layers (eagle_config)
+        return export_drafter(p, tmp / "sglang", "sglang", dtype="fp32").path
     return export_drafter(p, tmp / "vllm", "vllm", dtype="fp32").path
 
 
@@ -215,8 +249,8 @@ def _card_findings(opts: CheckOptions, served: Path, card: dict | None, report: 
         report.notes.append("the drafter carries no card (drafter_card.json): the served files cannot be compared "
                             "with what was trained; draftsmith's decoder is the reference")
         return
-    target = opts.target if opts.engine == "vllm" else None
-    for cause, evidence in causes_from_card(card, served_facts(served, opts.engine, target)):
+    target = opts.target if opts.engine in ("vllm", "openvino", "sglang") else None
+    for cause, evidence in causes_from_card(card, served_facts(served, opts.engine, target, opts.openvino_python)):
         report.findings.append(Finding(cause, evidence))
 
 
@@ -226,6 +260,20 @@ def _run_engine(opts: CheckOptions, served: Path) -> EngineOutcome:
 
         target = smollm2_gguf_path() if opts.target == EMBEDDED_DEFAULT else Path(opts.target)
         return run_llamacpp(target, served, opts.prompts, opts.k, opts.max_new_tokens, opts.threads)
+    if opts.engine == "openvino":
+        from transformers import AutoTokenizer
+
+        from draftsmith.data.chat import stop_token_ids
+        from draftsmith.stages.export.openvino import openvino_target, target_source_dir
+
+        eos = stop_token_ids(AutoTokenizer.from_pretrained(target_source_dir(opts.target)))
+        target_ir = openvino_target(opts.target, python=opts.openvino_python)
+        return run_openvino(target_ir, served, opts.prompts, opts.k, opts.max_new_tokens, eos=eos,
+                            threads=opts.threads, python=opts.openvino_python)
+    if opts.engine == "sglang":
+        if not opts.sglang_python:
+            raise ValueError("check --engine sglang needs SGLang's Python (--sglang-python)")
+        return run_sglang(opts.sglang_python, opts.target, served, opts.prompts, opts.k, opts.max_new_tokens)
     if not opts.vllm_python:
         raise ValueError("check --engine vllm needs vLLM's Python (--vllm-python)")
     return run_vllm(opts.vllm_python, opts.target, served, opts.prompts, opts.k, opts.max_new_tokens,
@@ -234,11 +282,14 @@ def _run_engine(opts: CheckOptions, served: Path) -> EngineOutcome:
 
 def _reference(opts: CheckOptions, report: CheckReport):
     """draftsmith's decoder on the same prompts: its acceptance length into the report; the loaded pair (or None)."""
-    from draftsmith.stages.check.replay import chain_tau, load_pair
+    from draftsmith.core.openvino_facts import DRAFT_XML
+    from draftsmith.stages.check.replay import chain_runs, load_pair, tau_of
 
-    source = opts.reference_drafter or (opts.drafter if Path(opts.drafter).suffix != ".gguf" else None)
+    served_only = Path(opts.drafter).suffix == ".gguf" or (Path(opts.drafter) / DRAFT_XML).is_file()
+    source = opts.reference_drafter or (None if served_only else opts.drafter)
     if source is None:
-        report.notes.append("a .gguf drafter without --reference-drafter DIR: draftsmith's decoder cannot replay it")
+        report.notes.append("a .gguf or OpenVINO IR drafter without --reference-drafter DIR: draftsmith's decoder "
+                            "cannot replay it")
         return None
     try:
         target, drafter = load_pair(opts.draftsmith_target or opts.target, source)
@@ -246,8 +297,11 @@ def _reference(opts: CheckOptions, report: CheckReport):
         report.notes.append(f"draftsmith's decoder cannot load the pair ({' '.join(str(e).split())[:160]}); "
                             "pass --draftsmith-target DIR")
         return None
-    eos = _stops(target) if opts.engine == "llamacpp" else ()  # llama.cpp stops at end of generation; vLLM ignores
-    report.own_tau = chain_tau(target, drafter, opts.prompts, opts.k, opts.max_new_tokens, eos)[0]
+    # llama.cpp and GenAI stop at end of generation; vLLM's check ignores it
+    eos = _stops(target) if opts.engine in ("llamacpp", "openvino", "sglang") else ()
+    runs = chain_runs(target, drafter, opts.prompts, opts.k, opts.max_new_tokens, eos)
+    report.own_tau = tau_of(runs)
+    report.own_per_prompt = [acc for acc, _, _ in runs]
     return target, drafter, eos
 
 
@@ -297,3 +351,23 @@ def _decide(opts: CheckOptions, report: CheckReport, pair, outcome: EngineOutcom
                                            f"'{label}' accepts {tau:.2f}; the engine {served:.2f}"))
     if report.verdict != "pass" and not report.findings:
         report.findings.append(Finding("unknown", f"served {served:.2f} against {report.expected_tau:.2f}"))
+
+
+def _zero_acceptance(report: CheckReport, outcome: EngineOutcome) -> None:
+    """GenAI #4425: a freshly built speculative pipeline that accepts no draft (output unchanged) or crashes, where
+    a fresh one accepts. The engine retried once (``first_try``); a zero run is the engine's fault when the retry
+    accepted, and a finding either way: a deployment that builds such a pipeline serves at plain speed, silently."""
+    first = outcome.first_try
+    if first is None:
+        return
+    what = (f"crashed ({' '.join(first.error.split())[:160]})" if first.error
+            else f"accepted 0 drafts in {first.passes} verify passes")
+    if outcome.spec.accepted > 0:
+        if report.verdict == "pass":
+            report.verdict = "intermittent zero acceptance"
+        report.findings.append(Finding("engine-zero-accept", f"the first speculative pipeline {what}; a fresh one "
+                                       f"accepted {outcome.spec.accepted} (acceptance length "
+                                       f"{outcome.spec.tau:.2f}, the verdict's)"))
+    else:
+        report.notes.append(f"the first speculative pipeline {what}, and a fresh one accepted nothing either: not "
+                            "GenAI's intermittent zero-acceptance (#4425), the drafter as served")

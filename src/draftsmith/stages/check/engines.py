@@ -4,6 +4,11 @@ llama.cpp runs in this process (xllamacpp); its counters are ``draft_n`` / ``dra
 plain run reports its top-2 log-probabilities per token (``logprobs: 2``), which tell a near-tie flip from a real
 divergence. vLLM runs in its own environment (``integrations/vllm_check_worker.py`` under that Python); its
 counters are ``vllm:spec_decode_num_drafts`` / ``..._accepted_tokens``, read from ``LLM.get_metrics()``.
+OpenVINO GenAI runs in its own environment too (``integrations/openvino_worker.py``), f32 compute over an f32 KV
+cache (the one setting that kept its output equal to plain); its counter is ``get_num_accepted_tokens()`` per
+request. GenAI's #4425: a freshly built speculative pipeline may accept no draft at all (3 of 50 instances, output
+unchanged) or crash at its first generate; a speculative run that accepts nothing, or dies, is retried once in a
+fresh pipeline, and both runs are reported, so the check tells that engine fault from the drafter's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class Served:
     drafted: int = 0
     top: list[list[list[list[float]]]] | None = None  # [prompt][position] -> [[id, log-prob], ...] best first
     error: str | None = None
+    per_prompt: list[int] = field(default_factory=list)  # accepted drafts per prompt, where the engine counts so
 
     @property
     def tau(self) -> float:
@@ -41,6 +47,8 @@ class EngineOutcome:
     version: str
     plain: Served
     spec: Served
+    #: A first speculative run the engine threw away: GenAI #4425's zero-acceptance pipeline (or a crash), retried.
+    first_try: Served | None = None
 
 
 def _version(dist: str) -> str:
@@ -121,3 +129,94 @@ def _vllm_served(r: dict) -> Served:
     return Served(r["name"], token_ids=r["token_ids"], passes=int(m["vllm:spec_decode_num_drafts"]),
                   accepted=int(m["vllm:spec_decode_num_accepted_tokens"]),
                   drafted=int(m["vllm:spec_decode_num_draft_tokens"]), top=r.get("logprobs"))
+
+
+def run_openvino(target_ir: str | Path, draft_ir: str | Path, prompts: list[list[int]], k: int, max_new_tokens: int,
+                 *, eos: list[int], threads: int = 1, python: str | Path | None = None,
+                 timeout_s: float = 1800.0) -> EngineOutcome:
+    """Plain then EAGLE-3 (chain of ``k``) in OpenVINO GenAI, f32 over an f32 KV cache, in its own environment.
+
+    A speculative run that accepts no draft on any prompt, or whose worker dies (a refusal at load is not retried:
+    it repeats), is run once more in a fresh pipeline (GenAI #4425); the first try is kept in ``first_try``.
+    """
+    from draftsmith.core import openvino_facts as facts
+
+    plain_m = {"name": "plain", "mode": "plain"}
+    spec_m = {"name": "speculative", "mode": "eagle3", "k": int(k)}
+    base = {"op": "decode", "target": str(target_ir), "draft": str(draft_ir), "prompts": prompts,
+            "max_new_tokens": int(max_new_tokens), "eos": list(eos), "threads": threads,
+            "inference_precision": facts.INFERENCE_PRECISION, "kv_cache_precision": facts.DEFAULT_KV_PRECISION}
+    answer = _openvino_call({**base, "methods": [plain_m, spec_m]}, python, timeout_s)
+    if "runs" not in answer:  # the pair failed together: run plain alone to tell who refused
+        plain_only = _openvino_call({**base, "methods": [plain_m]}, python, timeout_s)
+        if "runs" not in plain_only:
+            return EngineOutcome("openvino", "?", Served("plain", error=plain_only["error"]),
+                                 Served("speculative", error=answer["error"]))
+        answer = {"runs": {**plain_only["runs"], "speculative": None}, "versions": plain_only.get("versions", {}),
+                  "spec_error": answer["error"]}
+    version = (answer.get("versions") or {}).get("openvino-genai", "?")
+    plain = _openvino_served("plain", answer["runs"]["plain"])
+    spec = (_openvino_served("speculative", answer["runs"]["speculative"]) if answer["runs"]["speculative"]
+            else Served("speculative", error=answer["spec_error"]))
+    first = None
+    crashed = spec.error is not None and "worker died" in spec.error  # not a refusal at load, which repeats
+    if crashed or (spec.error is None and spec.passes > len(prompts) and spec.accepted == 0):
+        retry = _openvino_call({**base, "methods": [spec_m]}, python, timeout_s)
+        if "runs" in retry:
+            first, spec = spec, _openvino_served("speculative", retry["runs"]["speculative"])
+    return EngineOutcome("openvino", version, plain, spec, first_try=first)
+
+
+def _openvino_call(request: dict, python, timeout_s: float) -> dict:
+    """The worker's answer, or {"error": its words} (a refusal or a crash is an outcome of the check)."""
+    from draftsmith.integrations.openvino import OpenVinoError, run_worker
+
+    try:
+        return run_worker(request, python=python, timeout=timeout_s)
+    except OpenVinoError as e:
+        if "did not answer" in str(e):
+            raise RuntimeError(str(e)) from None
+        return {"error": str(e).removeprefix("OpenVINO GenAI: ")}
+
+
+def _openvino_served(name: str, runs: list[dict]) -> Served:
+    """GenAI's counters as the other engines': the first token comes from prefill, every other pass verifies."""
+    out = Served(name)
+    for r in runs:
+        out.token_ids.append([int(t) for t in r["tokens"]])
+        acc = int(r.get("accepted", 0))
+        out.accepted += acc
+        out.per_prompt.append(acc)
+        out.passes += max(len(r["tokens"]) - 1 - acc, 1)
+    return out
+
+
+def run_sglang(python: str | Path, target: str, drafter_dir: str | Path, prompts: list[list[int]], k: int,
+               max_new_tokens: int, *, dtype: str = "auto", startup_s: float = 900.0) -> EngineOutcome:
+    """A plain SGLang server, then an EAGLE-3 one (chain of ``k``), each launched by ``python`` (SGLang's
+    environment) and stopped after its prompts; the counters are each response's ``meta_info``."""
+    from draftsmith.integrations.sglang import SglangError, SglangServer, counters, free_port, launch_argv, top_logprobs
+
+    runs, version = {}, "?"
+    for name, drafter in (("plain", None), ("speculative", drafter_dir)):
+        port = free_port()
+        out = Served(name, top=[] if name == "plain" else None)
+        try:
+            with SglangServer(launch_argv(python, target, port, drafter=drafter, k=k, dtype=dtype), port,
+                              startup_s=startup_s) as server:
+                version = str(server.get("/get_server_info").get("version") or version)
+                for ids in prompts:
+                    r = server.generate(ids, max_new_tokens, top_logprobs=2 if name == "plain" else 0)
+                    meta = r.get("meta_info") or {}
+                    out.token_ids.append([int(t) for t in r.get("output_ids") or []])
+                    if out.top is not None:
+                        out.top.append(top_logprobs(meta))
+                    if drafter is not None:
+                        acc, passes = counters(meta)
+                        out.accepted += acc
+                        out.passes += passes
+                        out.per_prompt.append(acc)
+        except SglangError as e:
+            out.error = str(e)
+        runs[name] = out
+    return EngineOutcome("sglang", version, runs["plain"], runs["speculative"])

@@ -20,14 +20,21 @@ def _d2t_hashes(d2t: torch.Tensor | None, absolute: bool) -> dict:
     d2t = d2t.to(torch.int64)
     ar = torch.arange(d2t.numel(), dtype=torch.int64)
     read, other = (d2t, ar + d2t) if absolute else (ar + d2t, d2t)
-    return {"draft_ids_sha256": _ids_hash(read), "draft_ids_sha256_other_convention": _ids_hash(other)}
+    return {"draft_ids_sha256": _ids_hash(read), "draft_ids_sha256_other_convention": _ids_hash(other),
+            "draft_ids_identity": bool(torch.equal(read, ar))}  # offsets of zeros: a d2t that maps nothing
 
 
-def served_facts(drafter: str | Path, engine: str, target: str | Path | None = None) -> dict:
-    """What ``engine`` reads from the drafter's files (a .gguf for llama.cpp, an HF-layout folder for vLLM)."""
+def served_facts(drafter: str | Path, engine: str, target: str | Path | None = None,
+                 openvino_python: str | Path | None = None) -> dict:
+    """What ``engine`` reads from the drafter's files (a .gguf for llama.cpp, an HF-layout folder for vLLM, a draft
+    IR for OpenVINO GenAI)."""
+    from draftsmith.core import openvino_facts
+
     p = Path(drafter)
     if p.suffix == ".gguf":
         return _gguf_facts(p)
+    if (p / openvino_facts.DRAFT_XML).is_file():
+        return _ir_facts(p, target, openvino_python)
     return _hf_facts(p, engine, target)
 
 
@@ -67,6 +74,39 @@ def _hf_facts(path: Path, engine: str, target: str | Path | None) -> dict:
     if target is not None:
         out["target_fingerprint"] = _target_fingerprint(target)
     return out
+
+
+def _ir_facts(path: Path, target: str | Path | None, python: str | Path | None) -> dict:
+    """The draft IR as GenAI reads it: the tapped layers from rt_info (GenAI's default [2, N/2, N-3] when it names
+    none), d2t from the IR's constant (read in OpenVINO's environment), and no norm switch at all: optimum-intel's
+    EAGLE-3 graph implements none of them (core/openvino_facts.py)."""
+    from draftsmith.core import openvino_facts as facts
+    from draftsmith.integrations.openvino import run_worker
+
+    listed = facts.read_hidden_layers((path / facts.DRAFT_XML).read_text())
+    tdir = _target_dir(target)
+    if listed is None and tdir is not None:
+        cfg = json.loads((tdir / "config.json").read_text())
+        layers = (cfg.get("text_config") or cfg).get("num_hidden_layers")
+        listed = facts.genai_default_layer_ids(int(layers)) if layers else None
+    seen = run_worker({"op": "inspect-draft", "xml": str(path / facts.DRAFT_XML)}, python=python, timeout=600)
+    d2t = torch.tensor(seen["d2t"]["values"], dtype=torch.int64) if seen.get("d2t") else None
+    out = {"aux_layer_ids": facts.from_genai_layer_ids(listed) if listed is not None else None,
+           "norm_before_residual": False, "norms": {k: False for k in ("norm_before_fc", "fc_norm", "norm_output")},
+           **_d2t_hashes(d2t, absolute=False)}
+    if tdir is not None:
+        out["target_fingerprint"] = _target_fingerprint(tdir)
+    return out
+
+
+def _target_dir(target: str | Path | None) -> Path | None:
+    """The target's Hugging Face folder (the embedded default's cache for 'smollm2'), or None."""
+    from draftsmith.model.sources import EMBEDDED_DEFAULT, ensure_smollm2
+
+    if target is None:
+        return None
+    p = ensure_smollm2() if str(target) == EMBEDDED_DEFAULT else Path(target)
+    return p if (p / "config.json").is_file() else None
 
 
 def _target_fingerprint(target: str | Path) -> dict | None:

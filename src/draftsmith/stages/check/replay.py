@@ -33,20 +33,53 @@ def load_pair(target: str | Path, drafter: str | Path, dtype: torch.dtype = torc
 
 
 @torch.no_grad()
-def chain_tau(target, drafter, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int,
-              eos: Sequence[int] = ()) -> tuple[float, list[list[int]]]:
-    """(acceptance length, tokens per prompt) of a greedy chain of ``k`` in draftsmith's decoder."""
+def chain_runs(target, drafter, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int,
+               eos: Sequence[int] = ()) -> list[tuple[int, int, list[int]]]:
+    """(accepted drafts, verify passes, tokens) per prompt of a greedy chain of ``k`` in draftsmith's decoder."""
     from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
 
     dec = SpeculativeDecoder(target, drafter, ChainSpec(k))
-    accepted = passes = 0
-    tokens = []
+    out = []
     for p in prompts:
         r = dec.generate(list(p), max_new_tokens, eos_token_ids=list(eos))
-        accepted += sum(r.accepted_per_step)
-        passes += len(r.accepted_per_step)
-        tokens.append(r.token_ids)
-    return (1.0 + accepted / passes if passes else 1.0), tokens
+        out.append((sum(r.accepted_per_step), len(r.accepted_per_step), r.token_ids))
+    return out
+
+
+def tau_of(runs: Sequence[tuple[int, int, list[int]]]) -> float:
+    accepted, passes = sum(r[0] for r in runs), sum(r[1] for r in runs)
+    return 1.0 + accepted / passes if passes else 1.0
+
+
+def chain_tau(target, drafter, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int,
+              eos: Sequence[int] = ()) -> tuple[float, list[list[int]]]:
+    """(acceptance length, tokens per prompt) of a greedy chain of ``k`` in draftsmith's decoder."""
+    runs = chain_runs(target, drafter, prompts, k, max_new_tokens, eos)
+    return tau_of(runs), [r[2] for r in runs]
+
+
+@torch.no_grad()
+def plain_top2(target, prompts: Sequence[Sequence[int]], plain: Sequence[Sequence[int]],
+               spec: Sequence[Sequence[int]]) -> list[list[list[list[float]]]]:
+    """The target's top-2 log-probabilities along plain's output, in draftsmith (for an engine that reports none):
+    ``[prompt][position] -> [[id, log-prob], ...]``, with the speculative run's token at the first difference added,
+    so a divergence there is measured against plain's choice. Only prompts whose outputs differ are computed."""
+    out: list[list[list[list[float]]]] = []
+    for ids, a, b in zip(prompts, plain, spec, strict=False):
+        if list(a) == list(b) or not a:
+            out.append([])
+            continue
+        seq = torch.tensor([list(ids) + list(a)], dtype=torch.long)
+        logits = target(seq).logits[0, len(ids) - 1: len(ids) - 1 + len(a)].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        vals, idx = lp.topk(2, dim=-1)
+        rows = [[[int(i), float(v)] for i, v in zip(ri.tolist(), rv.tolist(), strict=True)]
+                for ri, rv in zip(idx, vals, strict=True)]
+        j = next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if j is not None and int(b[j]) not in {t for t, _ in rows[j]}:
+            rows[j].append([int(b[j]), float(lp[j, int(b[j])])])
+        out.append(rows)
+    return out
 
 
 @contextlib.contextmanager

@@ -28,9 +28,10 @@ class Cause:
 CAUSES: dict[str, Cause] = {c.id: c for c in (
     Cause("aux-ids-off-by-one", "aux layer ids read one layer off (output-of-layer vs input-of-layer numbering: "
           "SGLang's eagle_config lists them one lower than vLLM and llama.cpp read them)",
-          "re-export with `draftsmith export --format vllm|sglang|gguf` (it writes each engine's numbering), or set "
+          "re-export with `draftsmith export --format vllm|sglang|gguf|openvino` (each engine's numbering), or set "
           "eagle_aux_hidden_state_layer_ids to the card's aux_layer_ids", ("aux.off-by-one", "aux.engine-convention",
-                                                                           "aux.conflict")),
+                                                                           "aux.conflict",
+                                                                           "openvino.layer-ids")),
     Cause("d2t-missing", "d2t missing: the engine reads draft ids as target ids (a reduced draft vocabulary needs "
           "its id map)", "export d2t with the weights (draftsmith export writes it for a reduced vocabulary)",
           ("vocab.missing-d2t",)),
@@ -41,11 +42,12 @@ CAUSES: dict[str, Cause] = {c.id: c for c in (
     Cause("norm-ignored", "an EAGLE-3.1 norm the engine does not apply (norm_output, fc_norm or norm_before_fc: "
           "the drafter was trained with it)", "serve with an engine version that reads it (vLLM >= 0.32; not "
           "llama.cpp) or retrain without the norm", ("vllm.norms-ignored", "sglang.norms-ignored", "llamacpp.norms",
-                                                    "drafter.norms", "drafter.norms-mislabelled")),
+                                                    "drafter.norms", "drafter.norms-mislabelled",
+                                                    "openvino.norms")),
     Cause("norm-before-residual", "norm_before_residual read otherwise than trained (dropped from the config, or "
           "an engine default: speculators' config assumes true when the field is absent)",
-          "write norm_before_residual explicitly (draftsmith export always does) with the value the card records",
-          ()),
+          "write norm_before_residual explicitly (draftsmith export always does) with the value the card records; "
+          "OpenVINO GenAI: train without it (its EAGLE-3 graph has none)", ("openvino.norm-before-residual",)),
     Cause("wrong-target", "a drafter made for another target with the same vocabulary (it loads, and drafts "
           "tokens the target rarely picks)", "serve the drafter with the target its card names, or train one for "
           "this target", ("drafter.target-fingerprint",)),
@@ -54,6 +56,10 @@ CAUSES: dict[str, Cause] = {c.id: c for c in (
           ("drafter.draft-vocab-size", "vocab.d2t-full")),
     Cause("slot-convention", "block drafter read with the other block-slot convention (SGLang #30852: 1.1 "
           "instead of 4.05)", "export with the engine's slot convention (block drafters: see docs/block-drafters.md)"),
+    Cause("engine-zero-accept", "a speculative pipeline that accepted no draft at all (or crashed at its first "
+          "generate) where a freshly built one accepts: OpenVINO GenAI #4425 (3 of 50 CPU instances, output unchanged)",
+          "an engine fault, not the drafter's: build the pipeline again (and check its acceptance after load in a "
+          "deployment), or use a GenAI release that fixes #4425"),
     Cause("unknown", "no known signature matches", "compare `draftsmith bench` (draftsmith's decoder) with the "
           "engine on the same prompts, and run `draftsmith doctor --engine ENGINE` with the engine's version"),
 )}
@@ -78,8 +84,9 @@ def causes_from_card(card: dict, served: dict) -> list[tuple[str, str]]:
                     f"aux layer ids served {list(got)}, trained {want} (card)"))
     h = card.get("draft_ids_sha256")
     if h is not None:
-        if served.get("draft_ids_sha256") is None:
-            out.append(("d2t-missing", "the served files carry no d2t; the card's draft vocabulary is reduced "
+        if served.get("draft_ids_sha256") is None or served.get("draft_ids_identity"):
+            what = "a d2t of zeros (draft id i read as target id i)" if served.get("draft_ids_identity") else "no d2t"
+            out.append(("d2t-missing", f"the served files carry {what}; the card's draft vocabulary is reduced "
                                        f"({card.get('draft_vocab_size')} of {card.get('vocab_size')})"))
         elif served["draft_ids_sha256"] != h:
             swapped = served.get("draft_ids_sha256_other_convention") == h

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,8 +171,10 @@ class BlockExportReport:
 
 def export_block(ckpt: BlockCheckpoint, out: str | Path, fmt: str, *, dtype: str = "bf16",
                  verifier: str | None = None, verifier_architectures: list[str] | None = None,
-                 overwrite: bool = False) -> BlockExportReport:
-    """Write ``ckpt`` in an engine's layout; refuses (before writing) what that engine would misread."""
+                 overwrite: bool = False, card: dict | None = None) -> BlockExportReport:
+    """Write ``ckpt`` in an engine's layout; refuses (before writing) what that engine would misread. The model card
+    (README.md + drafter_card.json; ``card``: extra facts such as license, bench_reports, repo_id, base_model) is
+    written with the weights and swapped in with them."""
     if fmt not in BLOCK_FORMATS:
         raise ExportError(f"unknown block export format {fmt!r}; choose one of {', '.join(BLOCK_FORMATS)}")
     if dtype not in _DTYPES:
@@ -196,7 +199,8 @@ def export_block(ckpt: BlockCheckpoint, out: str | Path, fmt: str, *, dtype: str
                 "aux_layer_ids_convention": "input of layer L (draftsmith, vLLM aux, speculators, llama.cpp)",
                 "layout_layer_ids": layout_ids, "slot": s.slot, "block_size": s.block_size,
                 "mask_token_id": s.mask_token_id, "target": s.target, "weights": sorted(state)}
-    _write(Path(out), config, state, manifest, overwrite)
+    facts = _card_facts(ckpt, fmt, Path(out), verifier, sorted(["config.json", WEIGHTS_FILE, MANIFEST_FILE]), card)
+    _write(Path(out), config, state, manifest, overwrite, facts)
     return BlockExportReport(format=fmt, path=Path(out), kind=s.kind, weights=sorted(state),
                              dtype=str(target_dtype).removeprefix("torch."), aux_layer_ids=ids,
                              layout_layer_ids=layout_ids, slot=s.slot, num_speculative_tokens=s.drafts,
@@ -308,19 +312,54 @@ def _layout_state(ckpt: BlockCheckpoint, fmt: str, notes: list[str]) -> dict[str
     return state
 
 
-def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: dict, overwrite: bool) -> None:
+def _card_facts(ckpt: BlockCheckpoint, fmt: str, out: Path, verifier: str | None, files: list[str],
+                card: dict | None, target_gguf: str | None = None) -> dict:
+    from draftsmith.stages.export.block_card import block_card_facts
+    from draftsmith.stages.export.card import base_model_of
+
+    extra = dict(card or {})
+    base = extra.pop("base_model", None) or base_model_of(verifier)
+    source = ckpt.source if Path(ckpt.source).is_dir() else None
+    return block_card_facts(spec=ckpt.spec, fmt=fmt, out=out, source=source, base_model=base, files=files,
+                            d2t=ckpt.state.get("d2t"), target_gguf=target_gguf, **extra)
+
+
+def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: dict, overwrite: bool,
+           card: dict | None = None) -> None:
+    """Config, weights, manifest and card into a staging sibling, swapped in whole (core/io.py): a kill leaves the
+    old export or the new one, never new weights under an old card. A README.md no export wrote is the user's."""
     from safetensors.torch import save as st_save
+
+    from draftsmith.core.io import carry_over, replace_dir, restore_dir, staging_dir
+    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, write_card
 
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory; the export writes a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_symlink():
+        out = out.resolve()
+    restore_dir(out)
     ours = {"config.json", WEIGHTS_FILE, MANIFEST_FILE}
-    foreign = sorted(p.name for p in out.iterdir()
-                     if p.name not in ours and p.suffix in (".safetensors", ".bin", ".pt"))
-    if foreign:
-        raise ExportError(f"{out}: holds other weight files {foreign}; an engine could load those instead")
-    if not overwrite and any((out / n).exists() for n in ours):
-        raise ExportError(f"{out}: already holds a checkpoint; pass --force to replace it")
-    atomic_write(out / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
-    atomic_write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    atomic_write(out / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir()
+                         if p.name not in ours and p.suffix in (".safetensors", ".bin", ".pt"))
+        if foreign:
+            raise ExportError(f"{out}: holds other weight files {foreign}; an engine could load those instead")
+        if not overwrite and any((out / n).exists() for n in ours):
+            raise ExportError(f"{out}: already holds a checkpoint; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(out)
+    try:
+        atomic_write(staging / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
+        atomic_write(staging / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+        atomic_write(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
+        if card is not None:
+            write_card(staging, card)
+        if out.is_dir():
+            users_readme = (out / CARD_FILE).exists() and not (out / CARD_JSON).exists()
+            if users_readme and card is not None:
+                (staging / CARD_FILE).unlink()
+            carry_over(out, staging, skip=ours | {CARD_JSON} | (set() if users_readme else {CARD_FILE}))
+        replace_dir(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

@@ -99,7 +99,7 @@ def load_checkpoint(drafter: BlockDrafter | BlockCheckpoint | str | Path) -> Blo
 
 def export_block_any(drafter: BlockDrafter | BlockCheckpoint | str | Path, out: str | Path, fmt: str, *,
                      dtype: str = "bf16", target: str | Path | None = None, verifier: str | None = None,
-                     overwrite: bool = False):
+                     overwrite: bool = False, card: dict | None = None):
     """``fmt`` one of vllm, speculators, sglang (a directory) or gguf (one file; ``target`` = the target's GGUF)."""
     ckpt = load_checkpoint(drafter)
     if isinstance(drafter, (str, Path)) and Path(out).resolve() == Path(drafter).resolve():
@@ -109,10 +109,10 @@ def export_block_any(drafter: BlockDrafter | BlockCheckpoint | str | Path, out: 
 
         if target is None:
             raise ExportError("--format gguf needs --target: the target's .gguf file (or 'smollm2')")
-        return export_block_gguf(ckpt, out, target=target, dtype=dtype, overwrite=overwrite)
+        return export_block_gguf(ckpt, out, target=target, dtype=dtype, overwrite=overwrite, card=card)
     archs = _verifier_architectures(verifier) if verifier else []
     report: BlockExportReport = export_block(ckpt, out, fmt, dtype=dtype, verifier=verifier,
-                                             verifier_architectures=archs, overwrite=overwrite)
+                                             verifier_architectures=archs, overwrite=overwrite, card=card)
     return report
 
 

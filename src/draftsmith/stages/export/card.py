@@ -29,9 +29,12 @@ CARD_SCHEMA = "draftsmith-card/1"
 #: The embedded default's hub id (``smollm2`` in draftsmith's commands).
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 #: The hub's ``library_name`` for each layout: the library that loads the folder as written.
-LIBRARY = {"vllm": "vllm", "speculators": "speculators", "sglang": "sglang", "gguf": "gguf"}
+LIBRARY = {"vllm": "vllm", "speculators": "speculators", "sglang": "sglang", "gguf": "gguf", "openvino": "openvino"}
 #: Engines whose serve line the card prints, per layout (vLLM reads the SGLang layout too: it carries both ids).
-ENGINES = {"vllm": ("vllm",), "speculators": ("vllm",), "sglang": ("sglang", "vllm"), "gguf": ("llama.cpp",)}
+ENGINES = {"vllm": ("vllm",), "speculators": ("vllm",), "sglang": ("sglang", "vllm"), "gguf": ("llama.cpp",),
+           "openvino": ("openvino",)}
+#: ``draftsmith check --engine`` for each layout.
+CHECK_ENGINE = {"gguf": "llamacpp", "openvino": "openvino"}
 #: The acceptance the card promises is taken this far (vLLM and llama.cpp serve chains of k drafts).
 MAX_K = 8
 
@@ -187,7 +190,12 @@ def usage_lines(fmt: str, where: str, base_model: str | None, k: int, target_ggu
                              f"--speculative-num-draft-tokens {k + 1}")
         elif engine == "llama.cpp" and llama_line:
             out["llama.cpp"] = llama_line
-    out["check"] = (f"draftsmith check --engine {'llamacpp' if fmt == 'gguf' else 'vllm'} --target "
+        elif engine == "openvino":
+            out["openvino"] = (f"python -c \"import openvino_genai as og; p = og.LLMPipeline('TARGET_IR', 'CPU', "
+                               f"draft_model=og.draft_model({where!r}, 'CPU'), KV_CACHE_PRECISION='f32'); "
+                               f"c = og.GenerationConfig(max_new_tokens=128, num_assistant_tokens={k}); "
+                               f"print(p.generate('Hello', c))\"")
+    out["check"] = (f"draftsmith check --engine {CHECK_ENGINE.get(fmt, 'vllm')} --target "
                     f"{shlex.quote(target_gguf or target)} --drafter {shlex.quote(where)}")
     return out
 
@@ -259,7 +267,12 @@ def render_card(facts: dict) -> str:
         lines += [f"Acceptance length (accepted drafts + 1 per verify pass) of a greedy chain of k drafts, from the "
                   f"{exp['source']}; {where}.", "",
                   "| k | " + " | ".join(exp["by_k"]) + " |", "|---|" + "---|" * len(exp["by_k"]),
-                  "| acceptance length | " + " | ".join(f"{v:.2f}" for v in exp["by_k"].values()) + " |", "",
+                  "| acceptance length | " + " | ".join(f"{v:.2f}" for v in exp["by_k"].values()) + " |"]
+        if exp.get("per_position") and "block_size" in facts:  # a block drafter: the rate at each draft slot
+            pos = exp["per_position"][: len(exp["by_k"])]
+            lines.append("| accepted at this position (given the earlier ones) | "
+                         + " | ".join(f"{a:.2f}" for a in pos) + " |")
+        lines += ["",
                   "`draftsmith check` compares an engine's served acceptance with these numbers; far below them is a "
                   "silent collapse (a convention the engine reads otherwise), not a weak drafter.", ""]
     else:
@@ -273,10 +286,15 @@ def render_card(facts: dict) -> str:
         lines.append("")
     lines += ["## Drafter", "",
               f"- aux layer ids {facts['aux_layer_ids']} ({facts['aux_layer_ids_convention']})",
-              f"- draft vocabulary {facts['draft_vocab_size']} of {facts['vocab_size']}",
-              f"- norm_before_residual {facts['norm_before_residual']}; EAGLE-3.1 norms "
-              f"{[k for k, on in facts['norms'].items() if on] or 'none'}",
-              f"- draft tokens per step in the serve lines: {facts['num_speculative_tokens']}", ""]
+              f"- draft vocabulary {facts['draft_vocab_size']} of {facts['vocab_size']}"]
+    if "block_size" in facts:
+        lines += [f"- block size {facts['block_size']}, {facts['num_speculative_tokens']} drafts a round; slot "
+                  f"convention {facts['slot_meaning']} (an engine reading the other one drafts every token one "
+                  "position off)", f"- mask token id {facts['mask_token_id']}", ""]
+    else:
+        lines += [f"- norm_before_residual {facts['norm_before_residual']}; EAGLE-3.1 norms "
+                  f"{[k for k, on in facts['norms'].items() if on] or 'none'}",
+                  f"- draft tokens per step in the serve lines: {facts['num_speculative_tokens']}", ""]
     tr = facts["training"]
     lines += ["## Training", ""]
     if tr:
@@ -284,6 +302,15 @@ def render_card(facts: dict) -> str:
                   "- recipe: " + ", ".join(f"{k}={v}" for k, v in tr["recipe"].items()), ""]
     else:
         lines += ["Not recorded (the drafter was not exported from a draftsmith run directory).", ""]
+    if facts.get("checks"):
+        lines += ["## Checked in engines", "", "`draftsmith check --record`: the pair decoded in the engine, greedy, "
+                  "its own counters against the expected acceptance.", "",
+                  "| engine | version | k | prompts | served acceptance length | expected | date |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {c['engine']} | {c['version']} | {c['k']} | {c['prompts']} ({c['prompt_source']}) | "
+                  f"{c['served_tau']:.3f} | {c['expected_tau']:.3f} ({c['expected_from']}) | {c['date']} |"
+                  for c in facts["checks"]]
+        lines.append("")
     v = facts["versions"]
     lines += ["## Versions", "",
               f"- draftsmith {v['draftsmith']}, torch {v['torch']}, transformers {v['transformers']}"]
@@ -299,6 +326,37 @@ def write_card(out_dir: str | Path, facts: dict) -> tuple[Path, Path]:
     atomic_write(js, (json.dumps(facts, indent=2) + "\n").encode())
     atomic_write(readme, render_card(facts).encode())
     return readme, js
+
+
+def record_check(path: str | Path, check: dict) -> Path:
+    """Add a passed ``draftsmith check`` to the drafter's card: the engine's version under versions.engines and the
+    run (engine, version, k, prompts, served and expected acceptance, date) under ``checks``, replacing an earlier
+    one for the same engine and k. drafter_card.json is rewritten atomically; README.md too when it is the card's
+    own rendering (a README.md of the user's is kept, as export keeps it). Returns the JSON's path."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    facts = read_card(folder)
+    if facts is None:
+        raise ValueError(f"{folder}: no drafter_card.json to record the check into (export it with draftsmith)")
+    readme = folder / CARD_FILE
+    ours = not readme.exists() or _is_card_readme(readme.read_text(), facts)
+    facts.setdefault("versions", {}).setdefault("engines", {})[check["engine"]] = check["version"]
+    facts["checks"] = [c for c in facts.get("checks") or []
+                       if (c.get("engine"), c.get("k")) != (check["engine"], check["k"])] + [check]
+    atomic_write(folder / CARD_JSON, (json.dumps(facts, indent=2) + "\n").encode())
+    if ours:
+        atomic_write(readme, render_card(facts).encode())
+    return folder / CARD_JSON
+
+
+def _is_card_readme(text: str, facts: dict) -> bool:
+    """README.md as the card rendered it (or, after a kill between the two writes, a rendering of a later one)."""
+    try:
+        if text == render_card(facts):
+            return True
+    except (KeyError, TypeError, ValueError):
+        pass
+    return f"Machine-readable: `{CARD_JSON}`." in text and "made with draftsmith" in text
 
 
 def read_card(path: str | Path) -> dict | None:

@@ -66,6 +66,18 @@ def check_drafter(ckpt, switches: dict) -> list[int]:
     return facts.to_genai_layer_ids(ckpt.config.aux_layer_ids)
 
 
+def sglang_source(ckpt, target_dir: Path, hf: Path) -> Path:
+    """The folder optimum-intel converts: the SGLang layout in fp32, the target's embedding and tokenizer in it."""
+    from draftsmith.stages.export.writers import export_drafter, target_embeddings
+
+    export_drafter(ckpt, hf, "sglang", dtype="fp32", include_embeddings=not ckpt.has_own_embedding,
+                   embeddings=None if ckpt.has_own_embedding else target_embeddings(target_dir))
+    for name in TOKENIZER_FILES:  # draft_model() loads a tokenizer from the draft's folder
+        if (target_dir / name).is_file():
+            shutil.copy2(target_dir / name, hf / name)
+    return hf
+
+
 def fix_layer_ids(xml: Path, genai_ids: list[int]) -> None:
     """Write ``hidden_layers_list`` into the IR's rt_info, atomically."""
     text = xml.read_text()
@@ -111,11 +123,13 @@ def openvino_target(target: str | Path, weight_format: str = "fp32", *, python: 
 
 def export_openvino(drafter, out: str | Path, *, target: str | Path, weight_format: str = "fp32",
                     overwrite: bool = False, python: str | Path | None = None,
-                    with_target: bool = False) -> OpenVinoExportReport:
-    """Write ``drafter`` (object or directory) as GenAI's draft IR into ``out``; ``target``: HF folder or smollm2."""
+                    with_target: bool = False, card: dict | None = None,
+                    num_speculative_tokens: int = 3) -> OpenVinoExportReport:
+    """Write ``drafter`` (object or directory) as GenAI's draft IR into ``out``; ``target``: HF folder or smollm2.
+    The model card (README.md + drafter_card.json; ``card``: its extra facts) is written into the folder before it
+    is swapped in, so the IR never sits under another export's card."""
     from draftsmith.integrations.openvino import optimum_export, run_worker
     from draftsmith.stages.export.gguf import read_drafter
-    from draftsmith.stages.export.writers import export_drafter, target_embeddings
 
     if weight_format not in WEIGHT_FORMATS:
         raise UsageError(f"--openvino-weights {weight_format}: choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -128,12 +142,7 @@ def export_openvino(drafter, out: str | Path, *, target: str | Path, weight_form
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".openvino-", dir=out.parent))
     try:
-        hf = work / "sglang"
-        export_drafter(ckpt, hf, "sglang", dtype="fp32", include_embeddings=not ckpt.has_own_embedding,
-                       embeddings=None if ckpt.has_own_embedding else target_embeddings(src))
-        for name in TOKENIZER_FILES:  # draft_model() loads a tokenizer from the draft's folder
-            if (src / name).is_file():
-                shutil.copy2(src / name, hf / name)
+        hf = sglang_source(ckpt, src, work / "sglang")
         ir = work / "ir"
         optimum_export(hf, ir, weight_format=weight_format, python=python)
         xml = ir / facts.DRAFT_XML
@@ -144,6 +153,7 @@ def export_openvino(drafter, out: str | Path, *, target: str | Path, weight_form
                     "hidden_layers_list": genai_ids, "weight_format": weight_format, "d2t": d2t_type,
                     "versions": seen.get("versions", {})}
         atomic_write(ir / "draftsmith-export.json", (json.dumps(manifest, indent=2) + "\n").encode())
+        _write_card(ir, out, ckpt, drafter, target, num_speculative_tokens, card, seen.get("versions", {}))
         if out.exists():
             shutil.rmtree(out)
         os.replace(ir, out)  # the folder appears whole or not at all
@@ -153,6 +163,19 @@ def export_openvino(drafter, out: str | Path, *, target: str | Path, weight_form
     if with_target:
         report.target_ir = openvino_target(target, weight_format, python=python)
     return report
+
+
+def _write_card(ir: Path, out: Path, ckpt, drafter, target, k: int, card: dict | None, versions: dict) -> None:
+    from draftsmith.stages.export.card import base_model_of, card_facts, write_card
+
+    extra = dict(card or {})
+    base = extra.pop("base_model", None) or base_model_of(target)
+    source = drafter if isinstance(drafter, (str, Path)) else None
+    files = sorted(p.name for p in ir.iterdir() if p.is_file())
+    engines = {"openvino-genai": versions["openvino-genai"]} if versions.get("openvino-genai") else None
+    write_card(ir, card_facts(fmt="openvino", out=out, drafter_config=ckpt.config, source=source, base_model=base,
+                              num_speculative_tokens=k, files=files, d2t=ckpt.state.get("d2t"),
+                              **({"engines": engines} if engines and "engines" not in extra else {}), **extra))
 
 
 def _check_ir(seen: dict, genai_ids: list[int], ckpt) -> str | None:
@@ -176,4 +199,4 @@ def _check_ir(seen: dict, genai_ids: list[int], ckpt) -> str | None:
 
 
 __all__ = ["OpenVinoExportReport", "WEIGHT_FORMATS", "check_drafter", "export_openvino", "fix_layer_ids",
-           "openvino_target", "target_source_dir"]
+           "openvino_target", "sglang_source", "target_source_dir"]
