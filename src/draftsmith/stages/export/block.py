@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +28,6 @@ import torch
 from draftsmith import __version__
 from draftsmith.core import block_facts as bf
 from draftsmith.core.conventions import ConventionError
-from draftsmith.core.io import atomic_write
 from draftsmith.core.layouts import MANIFEST_FILE, WEIGHTS_FILE
 
 BLOCK_FORMATS = ("vllm", "speculators", "sglang")
@@ -326,40 +324,9 @@ def _card_facts(ckpt: BlockCheckpoint, fmt: str, out: Path, verifier: str | None
 
 def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: dict, overwrite: bool,
            card: dict | None = None) -> None:
-    """Config, weights, manifest and card into a staging sibling, swapped in whole (core/io.py): a kill leaves the
-    old export or the new one, never new weights under an old card. A README.md no export wrote is the user's."""
-    from safetensors.torch import save as st_save
-
-    from draftsmith.core.io import carry_over, replace_dir, restore_dir, staging_dir
-    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, write_card
+    """The EAGLE-3 exports' staged write (writers._write): swapped in whole, a user's README.md kept."""
+    from draftsmith.stages.export.writers import _write as write_staged
 
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory; the export writes a directory")
-    if out.is_symlink():
-        out = out.resolve()
-    restore_dir(out)
-    ours = {"config.json", WEIGHTS_FILE, MANIFEST_FILE}
-    if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir()
-                         if p.name not in ours and p.suffix in (".safetensors", ".bin", ".pt"))
-        if foreign:
-            raise ExportError(f"{out}: holds other weight files {foreign}; an engine could load those instead")
-        if not overwrite and any((out / n).exists() for n in ours):
-            raise ExportError(f"{out}: already holds a checkpoint; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(out)
-    try:
-        atomic_write(staging / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
-        atomic_write(staging / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-        atomic_write(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
-        if card is not None:
-            write_card(staging, card)
-        if out.is_dir():
-            users_readme = (out / CARD_FILE).exists() and not (out / CARD_JSON).exists()
-            if users_readme and card is not None:
-                (staging / CARD_FILE).unlink()
-            carry_over(out, staging, skip=ours | {CARD_JSON} | (set() if users_readme else {CARD_FILE}))
-        replace_dir(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    write_staged(out, config, state, manifest, overwrite, card)
