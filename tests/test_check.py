@@ -36,6 +36,10 @@ def test_verdict_thresholds():
     assert acceptance_verdict(2.6, 3.0, "draftsmith") == "partial loss"  # norm_output stripped in vLLM: 3.38 -> 3.03
     assert acceptance_verdict(1.2, 3.0, "card") == "silent collapse"
     assert acceptance_verdict(2.7, 3.0, "card") == "pass"
+    # OpenVINO GenAI's measured gap on good drafters (tau -9.3%: 2.528 against 2.788) passes there, not elsewhere
+    assert acceptance_verdict(2.528, 2.788, "draftsmith", "openvino") == "pass"
+    assert acceptance_verdict(2.528, 2.788, "draftsmith", "llamacpp") == "partial loss"
+    assert acceptance_verdict(2.2, 2.788, "draftsmith", "openvino") == "partial loss"
 
 
 @pytest.fixture(scope="module")

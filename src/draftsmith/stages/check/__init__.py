@@ -317,7 +317,7 @@ def _decide(opts: CheckOptions, report: CheckReport, pair, outcome: EngineOutcom
     card_found = bool(report.findings)
     if report.own_tau is not None:
         report.expected_from = "draftsmith"
-        report.verdict = acceptance_verdict(served, report.own_tau, "draftsmith")
+        report.verdict = acceptance_verdict(served, report.own_tau, "draftsmith", report.engine)
         if report.card_tau is not None and gain_ratio(report.own_tau, report.card_tau) < COLLAPSE:
             # The engine reads the files as draftsmith does, and both accept far less than the card promises.
             report.verdict = "silent collapse"
