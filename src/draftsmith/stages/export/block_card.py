@@ -15,11 +15,10 @@ from pathlib import Path
 from draftsmith.core import block_facts as bf
 from draftsmith.stages.export.card import (
     CARD_SCHEMA,
-    base_model_of,
     benchmark_rows,
+    card_sources,
     draft_ids_hash,
     expected_acceptance,
-    training_facts,
     versions,
 )
 
@@ -51,10 +50,7 @@ def block_card_facts(*, spec, fmt: str, out: str | Path, source: str | Path | No
                      bench_reports: Sequence[str | Path] = (), repo_id: str | None = None,
                      target_gguf: str | None = None, engines: dict[str, str] | None = None) -> dict:
     """Everything a block drafter's card says, as one JSON-able dict (``drafter_card.json``)."""
-    src_dir = Path(source) if source is not None and Path(source).is_dir() else None
-    training = training_facts(src_dir)
-    base = base_model or base_model_of(training["target"] if training else None)
-    where = repo_id or str(Path(out).resolve())
+    src_dir, training, base, where = card_sources(source, base_model, out, repo_id)
     return {
         "schema": CARD_SCHEMA,
         "kind": spec.kind,

@@ -200,6 +200,16 @@ def usage_lines(fmt: str, where: str, base_model: str | None, k: int, target_ggu
     return out
 
 
+def card_sources(source: str | Path | None, base_model: str | None, out: str | Path,
+                 repo_id: str | None) -> tuple[Path | None, dict | None, str | None, str]:
+    """What every kind's card starts from: the training run's folder and facts, the base model (given, else the
+    run's target) and where the drafter will live (the hub repo, else the export's path)."""
+    src_dir = Path(source) if source is not None and Path(source).is_dir() else None
+    training = training_facts(src_dir)
+    base = base_model or base_model_of(training["target"] if training else None)
+    return src_dir, training, base, repo_id or str(Path(out).resolve())
+
+
 def card_facts(*, fmt: str, out: str | Path, drafter_config, source: str | Path | None, base_model: str | None,
                num_speculative_tokens: int, files: Sequence[str], license: str | None = None,
                bench_reports: Sequence[str | Path] = (), repo_id: str | None = None,
@@ -211,10 +221,7 @@ def card_facts(*, fmt: str, out: str | Path, drafter_config, source: str | Path 
     given it is the card's expected acceptance, and training's simulated one is kept beside it.
     """
     cfg = drafter_config
-    src_dir = Path(source) if source is not None and Path(source).is_dir() else None
-    training = training_facts(src_dir)
-    base = base_model or base_model_of(training["target"] if training else None)
-    where = repo_id or str(Path(out).resolve())
+    src_dir, training, base, where = card_sources(source, base_model, out, repo_id)
     return {
         "schema": CARD_SCHEMA,
         "kind": "eagle3",
