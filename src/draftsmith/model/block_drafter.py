@@ -34,6 +34,7 @@ from draftsmith.model.drafter import (
     DrafterError,
     RMSNorm,
     RotaryEmbedding,
+    register_draft_vocab,
     rotate_half,
     save_checkpoint,
 )
@@ -285,13 +286,7 @@ class BlockDrafter(nn.Module):
         self.confidence_head = (ConfidenceHead(cfg.hidden_size, cfg.markov_rank, cfg.confidence_head_with_markov)
                                 if cfg.enable_confidence_head else None)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        dv = draft_vocab or vocab_mod.identity(cfg.vocab_size, cfg.draft_vocab_size)
-        vocab_mod.validate(dv.d2t, dv.t2d, cfg.vocab_size)
-        if dv.draft_vocab_size != cfg.draft_vocab_size:
-            raise DrafterError(f"d2t has {dv.draft_vocab_size} entries, config draft_vocab_size is "
-                               f"{cfg.draft_vocab_size}")
-        self.register_buffer("d2t", dv.d2t.clone())
-        self.register_buffer("t2d", dv.t2d.clone())
+        register_draft_vocab(self, draft_vocab, cfg.vocab_size, cfg.draft_vocab_size)
         self._embed: list[nn.Module] = []  # the target's table, shared and never saved
 
     @property

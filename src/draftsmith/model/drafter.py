@@ -35,6 +35,17 @@ class DrafterError(DraftsmithError, ValueError):
     """A drafter that does not fit its target, or a checkpoint that is not an EAGLE-3 drafter."""
 
 
+def register_draft_vocab(module: nn.Module, draft_vocab: vocab_mod.DraftVocab | None, vocab_size: int,
+                         draft_vocab_size: int) -> None:
+    """A drafter's ``d2t``/``t2d`` buffers (saved with it), checked against its config; the identity when none."""
+    dv = draft_vocab or vocab_mod.identity(vocab_size, draft_vocab_size)
+    vocab_mod.validate(dv.d2t, dv.t2d, vocab_size)
+    if dv.draft_vocab_size != draft_vocab_size:
+        raise DrafterError(f"d2t has {dv.draft_vocab_size} entries, config draft_vocab_size is {draft_vocab_size}")
+    module.register_buffer("d2t", dv.d2t.clone())
+    module.register_buffer("t2d", dv.t2d.clone())
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -308,13 +319,7 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        dv = draft_vocab or vocab_mod.identity(cfg.vocab_size, cfg.draft_vocab_size)
-        vocab_mod.validate(dv.d2t, dv.t2d, cfg.vocab_size)
-        if dv.draft_vocab_size != cfg.draft_vocab_size:
-            raise DrafterError(f"d2t has {dv.draft_vocab_size} entries, config draft_vocab_size is "
-                               f"{cfg.draft_vocab_size}")
-        self.register_buffer("d2t", dv.d2t.clone())
-        self.register_buffer("t2d", dv.t2d.clone())
+        register_draft_vocab(self, draft_vocab, cfg.vocab_size, cfg.draft_vocab_size)
         self._embed: list[nn.Module] = []  # shared with the target, not a parameter of the drafter
         if embed_tokens is not None:
             self.bind_embeddings(embed_tokens)
