@@ -127,9 +127,10 @@ def test_teacher_temperature_sharpens_to_one_hot_on_the_same_argmax():
     _, batch = _answer_batch(target, torch.randint(3, 250, (2, 10), generator=torch.Generator().manual_seed(2)),
                              [10, 10])
     kept = drafter.to_target_ids(torch.arange(120))
-    soft, argmax, in_draft = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d)
-    sharp = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d, temperature=0.5)[0]
-    hard = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d, temperature=0)[0]
+    scores, argmax, in_draft = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d)
+    soft = scores[...]  # indexing gives the probabilities
+    sharp = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d, temperature=0.5)[0][...]
+    hard = teacher_targets(batch, target.lm_head.weight, kept, drafter.t2d, temperature=0)[0][...]
     assert torch.equal(sharp.argmax(-1), soft.argmax(-1)) and torch.equal(hard.argmax(-1), soft.argmax(-1))
     assert bool((sharp.max(-1).values > soft.max(-1).values).all())
     assert torch.equal(hard.sum(-1), torch.ones(2, 10)) and int((hard > 0).sum()) == 20

@@ -86,6 +86,28 @@ def test_nla_is_cross_entropy_on_one_hot_labels_and_kl_is_the_previous_loss():
         draft_loss(logits, p, "js")
 
 
+@pytest.mark.parametrize("chunk", [0, 3])  # 0: the compiled kernels where a compiler is found; 3: eager chunks
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_fused_soft_cross_entropy_is_kl_on_the_teachers_softmax(chunk, temperature):
+    """The trainer's fused KL (from both sides' logits, nothing [N, Vd] kept) equals draft_loss's kl on the
+    teacher's probabilities, value and gradient, and its argmax is the first maximum, as argmax's."""
+    from draftsmith.model.ttt import soft_cross_entropy
+
+    logits, _ = _rows(5)
+    teacher = torch.randn(5, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 3
+    logits[2, 4] = logits[2, 1] = logits[2].max() + 1  # a tie: the first index wins
+    x, y = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    got, drafted = soft_cross_entropy(x, teacher, temperature, chunk=chunk)
+    ref = draft_loss(y, (teacher / temperature).softmax(-1), "kl")
+    assert float(got) == pytest.approx(float(ref), rel=1e-12)
+    got.backward()
+    ref.backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-12)
+    assert torch.equal(drafted, logits.argmax(-1)) and int(drafted[2]) == 1
+    with pytest.raises(ValueError, match="temperature"):
+        soft_cross_entropy(x, teacher, 0.0)
+
+
 # --- Muon: which parameters, and the optimizer's state ---------------------------------------------------
 def test_muon_takes_the_hidden_matrices_and_adamw_the_tables_heads_and_vectors():
     from conftest import tiny_target

@@ -10,6 +10,8 @@ own keys from steps 1..i at column t, which is exactly what it sees when draftin
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +93,34 @@ def target_argmax(hidden_state: torch.Tensor, lm_head_weight: torch.Tensor, chun
     return torch.cat(out).view(hidden_state.shape[:-1])
 
 
+class TeacherScores:
+    """The teacher's draft-vocabulary logits ``[B, T, Vd]``, turned into probabilities only where indexed.
+
+    A step reads the teacher at its trained columns only, so the probabilities of the whole batch (a float32
+    ``[B, T, Vd]`` softmax, then a gather of it per step) are never built: indexing returns the rows'
+    probabilities, and the KL loss reads the logits themselves (``soft_cross_entropy``).
+    """
+
+    def __init__(self, logits: torch.Tensor, temperature: float = 1.0):
+        self.logits, self.temperature = logits, temperature
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.logits.shape
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.probs(self.logits[index])
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 probabilities of some of the teacher's logits (rows over the draft vocabulary)."""
+        x = logits.float()
+        if self.temperature == 1.0:  # the common case: no division pass
+            return x.softmax(-1)
+        if self.temperature > 0:
+            return (x / self.temperature).softmax(-1)
+        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+
+
 @torch.no_grad()
 def teacher_targets(batch: TTTBatch, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
                     t2d: torch.Tensor, softcap: float | None = None, chunk: int = 1024,
@@ -100,30 +130,107 @@ def teacher_targets(batch: TTTBatch, lm_head_weight: torch.Tensor, target_ids: t
 
     ``temperature`` sharpens (< 1) or flattens the soft labels; 0 is the one-hot of the draft-vocabulary argmax.
 
-    Returns (probs [B, T, Vd] float32, argmax_draft_id [B, T] long, argmax_in_draft [B, T] bool). ``argmax``
-    ([B, T], e.g. cached across epochs) skips the full-vocabulary product, the costliest part of a step;
-    ``draft_weight`` (``lm_head_weight[target_ids]``, gathered once by the caller) skips the gather.
+    Returns (scores ``TeacherScores`` [B, T, Vd], whose indexing gives float32 probabilities; argmax_draft_id
+    [B, T] long; argmax_in_draft [B, T] bool). ``argmax`` ([B, T], e.g. cached across epochs) skips the
+    full-vocabulary product, the costliest part of a step; ``draft_weight`` (``lm_head_weight[target_ids]``,
+    gathered once by the caller) skips the gather.
     """
     b, t, h = batch.hidden_state.shape
-    hidden = batch.hidden_state.reshape(b * t, h)
     draft_w = draft_weight if draft_weight is not None else lm_head_weight[target_ids]
-    probs = []
-    for s in range(0, b * t, chunk):
-        draft = hidden[s: s + chunk].to(lm_head_weight.dtype) @ draft_w.T
-        if softcap:
-            draft = torch.tanh(draft / softcap) * softcap
-        draft = draft.float()
-        if temperature == 1.0:  # the common case: no division pass over [chunk, Vd]
-            probs.append(draft.softmax(-1))
-        elif temperature > 0:
-            probs.append((draft / temperature).softmax(-1))
-        else:
-            probs.append(torch.zeros_like(draft).scatter_(-1, draft.argmax(-1, keepdim=True), 1.0))
+    logits = batch.hidden_state.reshape(b * t, h).to(lm_head_weight.dtype) @ draft_w.T
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     argmax_target = argmax if argmax is not None else target_argmax(batch.hidden_state, lm_head_weight, chunk)
     in_draft = t2d[argmax_target]
     # Draft id of a target id = its rank among the kept ids (draft ids are kept ids in ascending order).
     draft_id = torch.searchsorted(target_ids, argmax_target).clamp_max(target_ids.numel() - 1)
-    return torch.cat(probs).view(b, t, -1), draft_id, in_draft
+    return TeacherScores(logits.view(b, t, -1), temperature), draft_id, in_draft
+
+
+def _ce_forward(z: torch.Tensor, t: torch.Tensor, inv_temp: float):
+    """Rows' log-sum-exps of z and t / temperature, the summed loss sum_rows (lse_z - sum_v p_v z_v), and z's
+    argmax per row (the first maximum, as ``argmax``: read in the same pass)."""
+    acc = torch.promote_types(z.dtype, torch.float32)  # float32, or float64 for float64 logits
+    zc, tc = z.to(acc), t.to(acc) * inv_temp
+    lse_z, lse_t = zc.logsumexp(-1), tc.logsumexp(-1)
+    return lse_z, lse_t, (lse_z - ((tc - lse_t[:, None]).exp() * zc).sum(-1)).sum(), zc.argmax(-1)
+
+
+def _ce_backward(z: torch.Tensor, t: torch.Tensor, lse_z: torch.Tensor, lse_t: torch.Tensor, inv_temp: float,
+                 grad: torch.Tensor) -> torch.Tensor:
+    """d loss / d z = softmax(z) - p (p sums to one), times the incoming gradient."""
+    q = (z.to(lse_z.dtype) - lse_z[:, None]).exp() - (t.to(lse_t.dtype) * inv_temp - lse_t[:, None]).exp()
+    return (q * grad).to(z.dtype)
+
+
+@functools.cache
+def _compiled_ce(device_type: str):
+    """``(_ce_forward, _ce_backward)`` compiled into one fused loop each, or None where that cannot be had.
+
+    Eagerly each is a dozen passes over ``[N, Vd]`` float32 temporaries, the widest tensors of a step; compiled
+    (inductor: C++ on CPU, Triton on CUDA) each reads its inputs once. Compiling needs a C++ compiler on CPU; a
+    machine without one (or ``DRAFTSMITH_COMPILE=0``) runs the eager functions in row chunks, the same math.
+    """
+    if os.environ.get("DRAFTSMITH_COMPILE", "1") == "0" or device_type not in ("cpu", "cuda"):
+        return None
+    try:
+        fwd = torch.compile(_ce_forward, dynamic=True)
+        bwd = torch.compile(_ce_backward, dynamic=True)
+        z = torch.randn(3, 5, device=device_type)  # compiled here, on a probe, so a failure falls back now
+        lse_z, lse_t, _, _ = fwd(z, z, 1.0)
+        bwd(z, z, lse_z, lse_t, 1.0, torch.ones((), device=device_type))
+    except Exception:  # noqa: BLE001 (no compiler, an unsupported backend: the eager path is the same math)
+        return None
+    return fwd, bwd
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """``sum_rows -sum_v p_v log softmax(z)_v`` with ``p = softmax(t / temperature)``.
+
+    Neither ``log q`` nor ``p`` is kept: forward keeps the two log-sum-exps per row, and backward rebuilds
+    ``softmax(z) - p`` (the gradient, ``p`` summing to one). The same function as ``draft_loss``'s ``kl`` on
+    ``probs``, without its four ``[N, Vd]`` float32 tensors and their passes.
+    """
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, t: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+        inv_temp = 1.0 / temperature
+        kernels = _compiled_ce(z.device.type) if chunk == 0 else None
+        if kernels is not None:
+            lse_z, lse_t, total, argmax = kernels[0](z, t, inv_temp)
+        else:
+            parts = [_ce_forward(z[s: s + (chunk or 128)], t[s: s + (chunk or 128)], inv_temp)
+                     for s in range(0, z.shape[0], chunk or 128)]
+            lse_z, lse_t, argmax = (torch.cat([x[i] for x in parts]) for i in (0, 1, 3))
+            total = sum(x[2] for x in parts) if parts else z.new_zeros((), dtype=lse_z.dtype)
+        ctx.save_for_backward(z, t, lse_z, lse_t)
+        ctx.inv_temp, ctx.kernels, ctx.chunk = inv_temp, kernels, chunk or 128
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _argmax_grad: None):
+        z, t, lse_z, lse_t = ctx.saved_tensors
+        if ctx.kernels is not None:
+            return ctx.kernels[1](z, t, lse_z, lse_t, ctx.inv_temp, grad), None, None, None
+        c = ctx.chunk
+        out = torch.empty_like(z)
+        for s in range(0, z.shape[0], c):
+            out[s: s + c] = _ce_backward(z[s: s + c], t[s: s + c], lse_z[s: s + c], lse_t[s: s + c], ctx.inv_temp,
+                                         grad)
+        return out, None, None, None
+
+
+def soft_cross_entropy(z: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+                       chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed ``kl`` loss of ``draft_loss`` straight from both sides' logits ``[N, Vd]`` (any float dtype),
+    and the draft's argmax per row (the accuracy counts read it; the loss pass reads ``z`` anyway).
+
+    ``chunk`` 0: the compiled kernels where they can be built, else eager in chunks of 128 rows; ``chunk`` > 0:
+    eager in chunks of that many rows (the tests' reference for the compiled path)."""
+    if temperature <= 0:
+        raise ValueError("soft_cross_entropy needs a temperature > 0 (0 is a one-hot label: use draft_loss)")
+    return _SoftCrossEntropy.apply(z, teacher_logits, float(temperature), chunk)
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
@@ -260,7 +367,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int
     trained where that token is an assistant token and the target's choice lies in the draft vocabulary.
     Accuracy counts every assistant token (out-of-vocabulary choices count as misses, as at inference).
     """
-    teacher_probs, teacher_argmax, in_draft = teacher
+    teacher_scores, teacher_argmax, in_draft = teacher
     layer, attn = drafter.layer, drafter.layer.self_attn
     b, t = batch.input_ids.shape
     positions = torch.arange(t, device=batch.input_ids.device)[None].expand(b, t)
@@ -288,12 +395,19 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int
         # head is the widest matmul of a step. Column t's teacher sits at t+1+i, inside the batch when trained.
         rows, cols = trained.nonzero(as_tuple=True)
         teacher_cols = cols + 1 + i
-        logits = drafter.logits(h[rows, cols]).float()
-        p = teacher_probs[rows, teacher_cols]
-        loss_i = draft_loss(logits, p, loss) / max(rows.numel(), 1)
+        logits = drafter.logits(h[rows, cols])
+        if loss == "kl" and teacher_scores.temperature > 0:  # the default: fused, from both sides' logits
+            summed, drafted = soft_cross_entropy(logits, teacher_scores.logits[rows, teacher_cols],
+                                                 teacher_scores.temperature)
+        else:
+            summed = draft_loss(logits.float(), teacher_scores[rows, teacher_cols], loss)
+            # max().indices, not argmax(): the same first maximum, several times faster on CPU over a wide row
+            drafted = logits.detach().max(-1).indices
+        loss_i = summed.float() / max(rows.numel(), 1)
         total = total + decay**i * loss_i
         with torch.no_grad():
-            stats.correct[i] = float((logits.argmax(-1) == teacher_argmax[rows, teacher_cols]).sum())
+            hit = drafted == teacher_argmax[rows, teacher_cols]
+            stats.correct[i] = float(hit.sum())
             stats.total[i] = float(predicted.sum())
         g = h
     stats.loss = float(total.detach())
