@@ -30,6 +30,7 @@ from draftsmith.app.check import add_check_parser
 from draftsmith.app.kind_args import BLOCK_HELP, add_kind_args
 from draftsmith.app.recipe import add_config_flags, apply_recipe
 from draftsmith.core.allocator import keep_freed_memory
+from draftsmith.core.denormals import flush_denormals
 from draftsmith.core.errors import UsageError, one_line
 from draftsmith.data.chat import encode_prompt, stop_token_ids
 
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return _doctor_or_serve(args)
     _quiet_libraries()
     keep_freed_memory()  # the commands below run the models (core/allocator.py says why)
+    flush_denormals()  # before any thread pool starts (core/denormals.py says why)
     try:
         # train resolves its own device (config files name it too); llama.cpp's bench runs on the CPU and refuses
         # a --device it was given.
