@@ -104,6 +104,10 @@ def test_fused_soft_cross_entropy_is_kl_on_the_teachers_softmax(chunk, temperatu
     ref.backward()
     torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-12)
     assert torch.equal(drafted, logits.argmax(-1)) and int(drafted[2]) == 1
+    empty = logits[:0].clone().requires_grad_(True)  # a batch with no trained row: zero, and a gradient
+    none, no_drafts = soft_cross_entropy(empty, teacher[:0], temperature, chunk=chunk)
+    none.backward()
+    assert float(none) == 0.0 and no_drafts.numel() == 0 and empty.grad.shape == (0, 7)
     with pytest.raises(ValueError, match="temperature"):
         soft_cross_entropy(x, teacher, 0.0)
 

@@ -176,9 +176,12 @@ def _compiled_ce(device_type: str):
     try:
         fwd = torch.compile(_ce_forward, dynamic=True)
         bwd = torch.compile(_ce_backward, dynamic=True)
-        z = torch.randn(3, 5, device=device_type)  # compiled here, on a probe, so a failure falls back now
-        lse_z, lse_t, _, _ = fwd(z, z, 1.0)
-        bwd(z, z, lse_z, lse_t, 1.0, torch.ones((), device=device_type))
+        # Compiled here, on probes of the dtypes training feeds them (float32, autocast's bf16), so that a failure
+        # falls back now and not in the middle of a run; no random probe: the run's RNG stream stays as it was.
+        for dtype in (torch.float32, torch.bfloat16):
+            z = torch.linspace(-1, 1, 15, device=device_type, dtype=dtype).view(3, 5)
+            lse_z, lse_t, _, _ = fwd(z, z, 1.0)
+            bwd(z, z, lse_z, lse_t, 1.0, torch.ones((), device=device_type))
     except Exception:  # noqa: BLE001 (no compiler, an unsupported backend: the eager path is the same math)
         return None
     return fwd, bwd
@@ -195,12 +198,12 @@ class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, t: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
         inv_temp = 1.0 / temperature
-        kernels = _compiled_ce(z.device.type) if chunk == 0 else None
+        kernels = _compiled_ce(z.device.type) if chunk == 0 and z.numel() else None  # no rows: eager
         if kernels is not None:
             lse_z, lse_t, total, argmax = kernels[0](z, t, inv_temp)
         else:
             parts = [_ce_forward(z[s: s + (chunk or 128)], t[s: s + (chunk or 128)], inv_temp)
-                     for s in range(0, z.shape[0], chunk or 128)]
+                     for s in range(0, max(z.shape[0], 1), chunk or 128)]  # no rows: one empty part
             lse_z, lse_t, argmax = (torch.cat([x[i] for x in parts]) for i in (0, 1, 3))
             total = sum(x[2] for x in parts) if parts else z.new_zeros((), dtype=lse_z.dtype)
         ctx.save_for_backward(z, t, lse_z, lse_t)

@@ -300,7 +300,7 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
     position by position. At temperature > 0 a sampled chain's rate is computed from both distributions.
     """
     from draftsmith.data.chat import stop_token_ids
-    from draftsmith.model.ttt import TTTBatch, ttt_forward
+    from draftsmith.model.ttt import TeacherScores, TTTBatch, ttt_forward
 
     stops = stop_token_ids(target.tokenizer) if target.tokenizer is not None else ()
     decoder = SpeculativeDecoder(target, drafter, ChainSpec(3))
@@ -321,7 +321,7 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
         out = target(seq)
         batch = TTTBatch(seq, torch.ones_like(seq, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
                          out.hidden_state, torch.tensor([n], device=seq.device))
-        teacher = (torch.zeros(1, n, 1, device=seq.device), torch.zeros_like(seq),
+        teacher = (TeacherScores(torch.zeros(1, n, 1, device=seq.device)), torch.zeros_like(seq),
                    torch.zeros_like(seq, dtype=torch.bool))  # nothing trained: only the unrolled states are read
         unrolled: list[torch.Tensor] = []
         ttt_forward(drafter, batch, teacher, depth, unroll_hidden=unrolled)
