@@ -78,8 +78,9 @@ class Preset:
     # more steps is evaluated as often, and warms up alike.
     eval_every: int | None = None
     warmup_steps: int | None = None
-    # train --optimizer. Muon led AdamW in short equal-minutes runs on a loaded CPU, but its optimizer step costs
-    # ~13x AdamW's there and a demo-length run has not confirmed it (docs/recipes-and-levers.md): AdamW stays.
+    # train --optimizer. Muon led AdamW in short equal-minutes runs on a loaded CPU, but in a demo-length
+    # equal-minutes pair it trained 18% fewer steps and was level or behind at equal steps (docs/recipes-and-levers.md):
+    # AdamW stays.
     optimizer: str = "adamw"
 
 
