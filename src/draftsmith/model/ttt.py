@@ -104,10 +104,6 @@ class TeacherScores:
     def __init__(self, logits: torch.Tensor, temperature: float = 1.0):
         self.logits, self.temperature = logits, temperature
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.logits.shape
-
     def __getitem__(self, index) -> torch.Tensor:
         return self.probs(self.logits[index])
 
@@ -197,17 +193,17 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, t: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
-        inv_temp = 1.0 / temperature
+        inv_temp, rows = 1.0 / temperature, chunk or 128
         kernels = _compiled_ce(z.device.type) if chunk == 0 and z.numel() else None  # no rows: eager
         if kernels is not None:
             lse_z, lse_t, total, argmax = kernels[0](z, t, inv_temp)
         else:
-            parts = [_ce_forward(z[s: s + (chunk or 128)], t[s: s + (chunk or 128)], inv_temp)
-                     for s in range(0, max(z.shape[0], 1), chunk or 128)]  # no rows: one empty part
+            parts = [_ce_forward(z[s: s + rows], t[s: s + rows], inv_temp)
+                     for s in range(0, max(z.shape[0], 1), rows)]  # no rows: one empty part
             lse_z, lse_t, argmax = (torch.cat([x[i] for x in parts]) for i in (0, 1, 3))
-            total = sum(x[2] for x in parts) if parts else z.new_zeros((), dtype=lse_z.dtype)
+            total = sum(x[2] for x in parts)
         ctx.save_for_backward(z, t, lse_z, lse_t)
-        ctx.inv_temp, ctx.kernels, ctx.chunk = inv_temp, kernels, chunk or 128
+        ctx.inv_temp, ctx.kernels, ctx.chunk = inv_temp, kernels, rows
         ctx.mark_non_differentiable(argmax)
         return total, argmax
 
