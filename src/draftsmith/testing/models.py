@@ -32,6 +32,43 @@ TINY_ARCHITECTURES = (
     "gemma3_wrapper", "kimi_k25_wrapper",
 )
 
+#: Targets that keep a recurrent state in most layers (gated delta-net, Mamba-2, short convolutions) and attention
+#: in every fourth: the layer pattern follows ``num_hidden_layers``, so an override keeps the mix.
+HYBRID_ARCHITECTURES = ("qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h", "qwen3_5_text", "falcon_h1", "jamba",
+                        "bamba")
+
+
+def _hybrid_extra(arch: str, layers: int) -> dict:
+    """The recurrent fields of a tiny ``arch``: attention at every fourth layer (the last of each four)."""
+    attention = [i % 4 == 3 for i in range(layers)]
+    if arch in ("qwen3_next", "qwen3_5_text"):
+        extra = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                     layer_types=["full_attention" if a else "linear_attention" for a in attention])
+        if arch == "qwen3_next":  # gated delta-net + a sparse MoE in every layer, as the released model
+            extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32, decoder_sparse_step=1)
+        return extra
+    if arch == "lfm2":  # short convolutions
+        return dict(layer_types=["full_attention" if a else "conv" for a in attention], conv_L_cache=3,
+                    block_ff_dim=128, block_auto_adjust_ff_dim=False)
+    mamba = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16)
+    if arch == "granitemoehybrid":  # Granite-4: Mamba-2 layers, a shared MLP, no routed experts
+        return dict(mamba, layer_types=["attention" if a else "mamba" for a in attention], mamba_expand=2,
+                    num_local_experts=0, shared_intermediate_size=128)
+    if arch == "bamba":
+        return dict(mamba, attn_layer_indices=[i for i, a in enumerate(attention) if a], mamba_expand=2)
+    if arch == "nemotron_h":  # Mamba-2, attention and MLP-only blocks
+        pattern = "".join("*" if a else ("-" if i % 4 == 1 else "M") for i, a in enumerate(attention))
+        return dict(hybrid_override_pattern=pattern, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16,
+                    n_groups=1, chunk_size=16, expand=2, head_dim=16)
+    if arch == "falcon_h1":  # attention and Mamba-2 side by side in every layer
+        return dict(mamba, mamba_d_ssm=64, mamba_d_head=16, head_dim=16)
+    if arch == "jamba":  # Mamba-1 and attention, MoE every other layer
+        return dict(attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2, expert_layer_offset=1,
+                    num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+    raise ValueError(f"unknown hybrid architecture {arch!r}; expected one of {HYBRID_ARCHITECTURES}")
+
 
 def tiny_config(arch: str, **overrides):
     """A config with the real structure of ``arch`` at toy sizes (MoE, MLA, wrappers included)."""
@@ -70,6 +107,8 @@ def tiny_config(arch: str, **overrides):
                                     projection_hidden_size=32, media_placeholder_token_id=255,
                                     image_token_id=255, video_token_id=254, vision_start_token_id=252,
                                     vision_end_token_id=253)
+    if arch in HYBRID_ARCHITECTURES:
+        extra = _hybrid_extra(arch, int(overrides.get("num_hidden_layers", common["num_hidden_layers"])))
     model_type = {"gemma3_text": "gemma3_text"}.get(arch, arch)
     common.update(extra)
     common.update(overrides)
