@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.model.packing import PackedLinear
-from draftsmith.model.target import Target, cache_keep, load_target
+from draftsmith.model.target import Target, load_target
 
 KS = (1, 2, 3, 4, 6, 10, 16)
 # A 16-node tree (parent of node i; the root is -1): three children of the root, then two per node.
@@ -76,10 +76,12 @@ def tree_inputs(dtype: torch.dtype, prefix: int) -> tuple[torch.Tensor, torch.Te
 def one_pass(target: Target, cache, ids: torch.Tensor, k, prefix: int, tree) -> torch.Tensor:
     if k == "tree16":
         mask, pos = tree
+        cache.begin_block(TREE_PARENTS)
         out = target(ids[:, prefix:prefix + 16], cache=cache, attention_mask=mask, position_ids=pos)
     else:
+        cache.begin_block(range(-1, k - 1))
         out = target(ids[:, prefix:prefix + k], cache=cache)
-    cache_keep(cache, prefix)
+    cache.keep(prefix)
     return out.logits
 
 

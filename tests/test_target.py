@@ -11,7 +11,6 @@ from draftsmith.model.target import (
     SupportsEagle3,
     Target,
     TargetError,
-    cache_keep,
     default_aux_layers,
     find_decoder_layers,
     validate_aux_layers,
@@ -148,12 +147,12 @@ def test_cache_rollback_equals_cache_of_accepted_tokens(arch):
     target(prefix, cache=cache)
     tree_out = target(tokens, cache=cache, attention_mask=additive[None, None], position_ids=length + depth[None])
     path = torch.tensor([0, 1, 3])
-    cache_keep(cache, length, extra=length + path)
+    cache.keep(length, path.tolist())
 
     ref_cache = target.new_cache()
     ref = target(torch.cat([prefix, tokens[:, path]], 1), cache=ref_cache)
-    assert cache.get_seq_length() == ref_cache.get_seq_length() == length + 3
-    for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
+    assert cache.hf.get_seq_length() == ref_cache.hf.get_seq_length() == length + 3
+    for layer, ref_layer in zip(cache.hf.layers, ref_cache.hf.layers, strict=True):
         # HF computes RoPE tables and the eager softmax in float32 even for fp64 models, hence 1e-6, not 1e-10.
         torch.testing.assert_close(layer.keys, ref_layer.keys, atol=1e-6, rtol=0)
         torch.testing.assert_close(layer.values, ref_layer.values, atol=1e-6, rtol=0)
@@ -172,10 +171,10 @@ def test_chain_crop_rollback():
     ids = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(5))
     cache = target.new_cache()
     target(ids, cache=cache)
-    cache_keep(cache, 8)
+    cache.keep(8)
     ref_cache = target.new_cache()
     target(ids[:, :8], cache=ref_cache)
-    for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
+    for layer, ref_layer in zip(cache.hf.layers, ref_cache.hf.layers, strict=True):
         torch.testing.assert_close(layer.keys, ref_layer.keys)
 
 

@@ -21,6 +21,16 @@ from torch import nn
 from draftsmith.core.conventions import default_aux_layers
 from draftsmith.core.errors import DraftsmithError, UsageError, one_line
 from draftsmith.core.tensorfile import corrupt_weights_named
+from draftsmith.model.target_cache import (
+    MIN_TRANSFORMERS_FOR_RECURRENT,
+    BlockStepper,
+    RecurrentTargetError,
+    TargetCache,
+    _linear_layer_class,
+    find_recurrent_mixers,
+    new_target_cache,
+    recurrent_layer_ids,
+)
 
 # Attribute paths where known decoder families keep their layer list, tried before a generic search.
 _KNOWN_LAYER_PATHS = (
@@ -194,6 +204,23 @@ class Target:
         self._final: list[torch.Tensor] = []
         self._hooks: list = []
         self._final_hook = decoder.register_forward_hook(self._capture_final)
+        # Layers with a recurrent state (gated delta-net, Mamba, short convolutions): decode steps them through
+        # each verified block so that rejected drafts leave no trace (model/target_cache.py).
+        self.recurrent_layers = recurrent_layer_ids(model.config)
+        self._stepper: BlockStepper | None = None
+        self._stepping_error: str | None = None
+        if self.recurrent_layers:
+            try:
+                if _linear_layer_class() is None:
+                    import transformers
+
+                    raise RecurrentTargetError(
+                        f"{type(model).__name__} keeps a recurrent state in layers {list(self.recurrent_layers)}, and "
+                        f"transformers {transformers.__version__} has no per-layer recurrent cache to roll back: "
+                        f"install transformers>={MIN_TRANSFORMERS_FOR_RECURRENT} to decode it")
+                self._stepper = BlockStepper(find_recurrent_mixers(self.layers, self.recurrent_layers))
+            except RecurrentTargetError as e:
+                self._stepping_error = str(e)
         self.aux_layers: tuple[int, ...] = ()
         self.set_aux_hidden_state_layers(
             aux_layers if aux_layers is not None else self.get_eagle3_default_aux_hidden_state_layers()
@@ -258,11 +285,16 @@ class Target:
             self._final.append(hidden if hidden is not None else output[0])
 
     # --- forward -------------------------------------------------------------------------------------
-    def new_cache(self):
-        from transformers import DynamicCache
+    @property
+    def is_recurrent(self) -> bool:
+        """True for hybrids: some layers keep a recurrent state instead of (or beside) a KV cache."""
+        return bool(self.recurrent_layers)
 
-        # No config: every layer is a plain growing layer that can be cropped and index-selected.
-        return DynamicCache()
+    def new_cache(self) -> TargetCache:
+        """The decoding state for one request (attention KV, and recurrent states where the target has them)."""
+        if self._stepping_error:
+            raise RecurrentTargetError(self._stepping_error)
+        return new_target_cache(self.model.config, self.recurrent_layers)
 
     @torch.no_grad()
     def forward(
@@ -274,8 +306,14 @@ class Target:
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
     ) -> TargetOutput:
-        """One pass. ``attention_mask`` may be 2D (padding) or a 4D additive mask (tree verification)."""
-        kwargs = {"input_ids": input_ids, "use_cache": cache is not None, self._cache_kw: cache}
+        """One pass. ``attention_mask`` may be 2D (padding) or a 4D additive mask (tree verification).
+
+        ``cache``: a ``TargetCache`` (``new_cache``); after ``cache.begin_block`` the pass is a block that
+        ``cache.keep`` cuts back, and recurrent layers step it token by token.
+        """
+        block = cache.block if isinstance(cache, TargetCache) else None
+        hf_cache = cache.hf if isinstance(cache, TargetCache) else cache
+        kwargs = {"input_ids": input_ids, "use_cache": cache is not None, self._cache_kw: hf_cache}
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         if attention_mask is not None:
@@ -283,6 +321,8 @@ class Target:
         if logits_to_keep and self._accepts_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         self._captured, self._final = {}, []
+        if block is not None and self._stepper is not None:
+            self._stepper.active, self._stepper.hf_cache = block, hf_cache
         try:
             out = self.model(**kwargs)
             captured = self._captured
@@ -301,6 +341,8 @@ class Target:
             )
         finally:
             self._captured, self._final = None, []
+            if self._stepper is not None:
+                self._stepper.active, self._stepper.hf_cache = None, None
 
     __call__ = forward
 
@@ -330,27 +372,6 @@ class Target:
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-
-# --- KV cache rollback ------------------------------------------------------------------------------
-def cache_keep(cache, keep: int, extra: torch.Tensor | None = None) -> None:
-    """Keep the first ``keep`` positions, then the positions in ``extra`` (absolute indices, ascending).
-
-    This is the rollback after rejected drafts: for a chain it is a crop, for a tree it compacts the
-    accepted path's entries right after the prefix.
-    """
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        n = 0 if extra is None else extra.numel()
-        if n:
-            # Move only the kept tree entries down to keep..keep+n (the gather copies them first, so sources
-            # and destinations may overlap); the prefix is not copied.
-            idx = extra.to(layer.keys.device)
-            layer.keys[..., keep:keep + n, :] = layer.keys.index_select(-2, idx)
-            layer.values[..., keep:keep + n, :] = layer.values.index_select(-2, idx)
-        layer.keys = layer.keys[..., :keep + n, :]
-        layer.values = layer.values[..., :keep + n, :]
 
 
 def context_budget(target: Target, prompt_len: int, max_new_tokens: int) -> int:

@@ -18,7 +18,7 @@ import torch
 from draftsmith.core.errors import UsageError
 from draftsmith.model.drafter import Eagle3Drafter, KVCache
 from draftsmith.model.kinds import get_kind
-from draftsmith.model.target import Target, cache_keep, context_budget
+from draftsmith.model.target import Target, context_budget
 from draftsmith.stages.block_decode import BlockSpec, new_block_cache, propose_block, resolve_block_spec, scatter_q
 
 #: The longest draft (chain K, tree depth, prompt-lookup K). Acceptance decays geometrically with the draft
@@ -397,10 +397,7 @@ class SpeculativeDecoder:
             result.target_forward_passes += 1
             path, bonus = self._accept(tree, out.logits[0], sampling, generator)
             # Keep the prefix, then the root (the pending token) and the accepted nodes.
-            if tree.is_tree:
-                cache_keep(cache, length, extra=length + torch.tensor([0, *path], device=device))
-            else:
-                cache_keep(cache, length + 1 + len(path))
+            cache.keep(length, [0, *path])
             _sync(device)
             result.verify_time += time.perf_counter() - t
 
@@ -479,6 +476,8 @@ class SpeculativeDecoder:
     def _verify(self, tree: _Tree, pending: int, length: int, cache):
         device = self.target.device
         ids = torch.tensor([[pending, *tree.tokens]], device=device)
+        # The block: the pending token from the prefix, each drafted node from its parent (block index = node id).
+        cache.begin_block([-1, *tree.parents])
         if not tree.is_tree:
             return self.target(ids, cache=cache)
         n = ids.shape[1]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.model.target import Target, cache_keep
+from draftsmith.model.target import Target
 from draftsmith.stages.block_decode import BlockSpec
 from draftsmith.stages.decode import ChainSpec, HybridSpec, TreeSpec
 
@@ -122,8 +122,9 @@ def measure_verify_cost(target: Target, drafter=None, ks: Sequence[int] = DEFAUL
         mask = _tree_mask(n, prefix, target.dtype, device) if tree else None
 
         def run():
+            cache.begin_block(range(-1, n - 1))  # a chain, as the tree mask here is causal
             target(ids[:, prefix: prefix + n], cache=cache, attention_mask=mask, position_ids=pos if tree else None)
-            cache_keep(cache, prefix)
+            cache.keep(prefix)
         return run
 
     for n in ks:

@@ -214,7 +214,7 @@ class LocalBackend(_TokenBackend):
                 break
             if len(keep) < len(active):
                 idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
+                cache.select_rows(idx)
                 mask, next_pos = mask[idx], next_pos[idx]
                 active = [active[row] for row in keep]
             step = torch.tensor([[out[r][-1]] for r in active], dtype=torch.long, device=dev)
