@@ -276,3 +276,23 @@ def test_batched_generation_on_recurrent_targets_matches_one_by_one(arch, tmp_pa
     for row, ref in zip(batched[1:], alone[1:], strict=True):
         cut = next((i for i, t in enumerate(ref) if t in backend.stop_ids), len(ref) - 1)
         assert row == ref[:cut + 1]
+
+
+@pytest.mark.slow
+def test_tiny_demo_pipeline_on_a_recurrent_target(tmp_path):
+    """generate -> capture -> vocab -> train -> export -> bench on a tiny LFM2 target: bench's speculative methods
+    equal plain greedy decoding on every prompt (several minutes on two busy cores, so in the slow run)."""
+    from draftsmith.app.demo import PRESETS, run_demo
+
+    work = tmp_path / "demo"
+    save_tiny_target(work / "target", "lfm2", num_hidden_layers=4)
+    run_demo("tiny", work, target=str(work / "target"), progress=False)
+    exported = json.loads((work / "export" / "vllm" / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"]
+    report = json.loads((work / "bench" / "bench.json").read_text())
+    limit = PRESETS["tiny"].bench_limit
+    methods = report["results"][0]["methods"]
+    assert len(methods) > 1
+    for name, m in methods.items():
+        if name != "plain":
+            assert m["identical_to_plain"] == f"{limit}/{limit}", name
