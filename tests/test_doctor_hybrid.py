@@ -241,3 +241,26 @@ def test_lfm2_with_the_plugin_installed_loads(targets, tmp_path, monkeypatch):
     assert not report.blocking, report.summary()
     granite = shutil.copytree(targets["granitemoehybrid"], tmp_path / "granite")
     assert diagnose(granite, engine_version="0.32", vllm_source=src).blocking  # the plugin cannot: still an error
+
+
+def test_sglang_lfm2_serves_a_dflash_drafter(tmp_path):
+    """SGLang's LFM2 captures aux states for DFlash only: a block drafter passes where an EAGLE-3 one is refused."""
+    from draftsmith.stages.export.block import export_block
+    from draftsmith.testing.blocks import random_block_checkpoint, tiny_spec
+
+    target = fixture("llama", tmp_path)
+    edit(target, architectures=["Lfm2ForCausalLM"], layer_types=["conv", "conv", "conv", "full_attention"] * 2)
+    spec = tiny_spec("dflash", hidden_size=128, target_hidden_size=128, head_dim=32)
+    export_block(random_block_checkpoint(spec), tmp_path / "dflash", "sglang", verifier="org/target")
+    block = next(f for f in diagnose(target, tmp_path / "dflash", engine="sglang").findings if f.id == "sglang.hybrid")
+    assert block.severity == "info" and "DFlash" in block.message
+    assert "sglang.hybrid" in diagnose(target, engine="sglang").ids("error")
+
+
+def test_llamacpp_places_the_drafters_aux_ids_on_layer_kinds(targets, tmp_path):
+    drafter = fixture("drafters/llama-eagle3", tmp_path)
+    edit(drafter, vocab_size=515, hidden_size=64, target_hidden_size=64, num_attention_heads=4, head_dim=16)
+    write_drafter_weights(drafter)
+    report = diagnose(targets["lfm2"], drafter, engine="llamacpp")
+    f = next(f for f in report.findings if f.id == "aux.hybrid-layers")
+    assert f.message.startswith("llama.cpp reads aux ids 2 (after layer 1, recurrent)"), report.summary()

@@ -84,15 +84,24 @@ def ways_out(arch: str | None, model_type: str | None, *, besides: str) -> list[
     return found
 
 
-def check_hybrid_engine(out: Findings, engine: str, arch: str | None, model_type: str | None) -> None:
-    """What ``engine`` serves for this hybrid target beyond the SupportsEagle3 check: trees, and SGLang's classes."""
+def check_hybrid_engine(out: Findings, engine: str, arch: str | None, model_type: str | None, *,
+                        block: bool = False) -> None:
+    """What ``engine`` serves for this hybrid target beyond the SupportsEagle3 check: trees, and SGLang's classes
+    (``block``: the drafter is a DFlash/DSpark one, which SGLang's LFM2 captures aux states for)."""
     if engine == "vllm":
         out.add("vllm.hybrid-chain", "info", f"vLLM verifies chains only on a hybrid target such as {arch}: serve "
                 "num_speculative_tokens k as a chain; a tree shape (speculative_token_tree) is not servable there",
                 vllm_facts.HYBRID_TREE_SOURCE)
     elif engine == "sglang":
         verdict = sglang_facts.eagle3_on_hybrid(arch)
-        if verdict:
+        if block and arch in sglang_facts.BLOCK_ONLY_HYBRID_TARGETS:
+            out.add("sglang.hybrid", "info", f"SGLang's {arch} captures aux states for DFlash drafters "
+                    "(set_dflash_layers_to_capture)", sglang_facts.SOURCE)
+        elif block:
+            out.add("sglang.hybrid", "warning", f"cannot tell whether SGLang serves block drafters for the hybrid "
+                    f"{arch} (not in draftsmith's SGLang facts)", sglang_facts.SOURCE,
+                    "check that SGLang's class defines set_dflash_layers_to_capture")
+        elif verdict:
             out.add("sglang.hybrid", "info", f"SGLang serves EAGLE-3 drafters for {arch} and verifies trees on it "
                     "(a recurrent state per draft token)", sglang_facts.SOURCE)
         elif verdict is False:

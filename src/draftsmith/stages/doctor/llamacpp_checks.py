@@ -17,7 +17,7 @@ from draftsmith.core import llamacpp_facts as facts
 from draftsmith.core.conventions import norm_switches
 from draftsmith.core.errors import one_line
 from draftsmith.core.gguf_file import GgufFileError, open_gguf
-from draftsmith.stages.doctor.hybrid_checks import check_layer_kinds, ways_out
+from draftsmith.stages.doctor.hybrid_checks import check_aux_kinds, check_layer_kinds, ways_out
 from draftsmith.stages.doctor.report import DoctorReport, DoctorUsageError, Findings
 
 
@@ -35,7 +35,7 @@ def diagnose_llamacpp(target: str | Path, drafter: str | Path | None = None) -> 
         tgt = {"arch": None, "num_layers": None, "hidden_size": None, "vocab_size": None, "tensors": None}
     else:
         if tgt.get("hf_config") is not None:
-            check_layer_kinds(out, tgt["hf_config"])
+            tgt["kinds"] = check_layer_kinds(out, tgt["hf_config"])
         _check_target_arch(out, tgt)
         _check_target_tensors(out, tgt)
     out.facts.update(architecture=tgt["arch"], num_layers=tgt["num_layers"], hidden_size=tgt["hidden_size"],
@@ -70,6 +70,7 @@ def _check_any_drafter(out: Findings, tgt: dict, drafter: str | Path) -> None:
     d = _drafter_facts(drafter)
     out.facts.update(drafter_format=d["format"], aux_layer_ids=d["aux"], draft_vocab_size=d["draft_vocab"])
     _check_drafter(out, tgt, d)
+    check_aux_kinds(out, tgt.get("kinds"), d["aux"], "llama.cpp")
 
 
 def _is_block(drafter: str | Path) -> bool:
