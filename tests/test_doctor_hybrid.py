@@ -225,6 +225,33 @@ def fake_vllm_source(root: Path) -> VllmSource:
     return VllmSource(root / "vllm", "0.32.0")
 
 
+@pytest.mark.parametrize("arch", ["Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "JambaForCausalLM"])
+def test_032_table_lets_the_plugin_patch_lfm2_and_jamba(arch):
+    p = vllm_facts.VLLM_PROFILES["0.32"]
+    assert arch in p.no_eagle3_targets and arch in p.plugin_patchable and arch in vllm_facts.plugin_candidates()
+
+
+@pytest.mark.slow  # needs .venv-vllm (make vllm-env), whose source the table was read from
+def test_hybrid_verdicts_from_vllm_032s_own_source(targets, tmp_path, monkeypatch):
+    """With vLLM 0.32's source read live: the marked class passes, Granite-4 fails as vLLM does at load, and LFM2
+    passes once the plugin is installed (it recognises LFM2's loop in that source)."""
+    from test_doctor import VLLM_VENV
+
+    roots = sorted(VLLM_VENV.glob("lib/python3*/site-packages/vllm"))
+    if not roots:
+        pytest.skip(f"no vLLM source at {VLLM_VENV} (make vllm-env)")
+    src = VllmSource(roots[0], "0.32.0")
+    monkeypatch.setattr(vllm_facts, "plugin_installed", lambda: True)
+    verdict = {arch: diagnose(targets[arch], engine_version="0.32", vllm_source=src)
+               for arch in ("qwen3_next", "granitemoehybrid", "lfm2")}
+    assert not verdict["qwen3_next"].blocking and verdict["qwen3_next"].facts["vllm_supports_eagle3"] is True
+    granite = next(f for f in verdict["granitemoehybrid"].findings if f.id == "vllm.eagle3-interface")
+    assert granite.severity == "error" and "not the residual-stream loop" in granite.fix
+    assert "vLLM 0.32.0 source: vllm.model_executor.models.granitemoehybrid" in granite.evidence
+    lfm2 = next(f for f in verdict["lfm2"].findings if f.id == "vllm.eagle3-interface")
+    assert not verdict["lfm2"].blocking and "plugin (installed here) adds it" in lfm2.message
+
+
 def test_vllm_source_decides_as_the_plugin_does(tmp_path):
     src = fake_vllm_source(tmp_path)
     assert src.supports_eagle3("Lfm2ForCausalLM") is False and src.plugin_patchable("Lfm2ForCausalLM")

