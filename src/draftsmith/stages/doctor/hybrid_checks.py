@@ -89,9 +89,9 @@ def check_hybrid_engine(out: Findings, engine: str, arch: str | None, model_type
     """What ``engine`` serves for this hybrid target beyond the SupportsEagle3 check: trees, and SGLang's classes
     (``block``: the drafter is a DFlash/DSpark one, which SGLang's LFM2 captures aux states for)."""
     if engine == "vllm":
-        out.add("vllm.hybrid-chain", "info", f"vLLM verifies chains only on a hybrid target such as {arch}: serve "
-                "num_speculative_tokens k as a chain; a tree shape (speculative_token_tree) is not servable there",
-                vllm_facts.HYBRID_TREE_SOURCE)
+        out.add("vllm.hybrid-chain", "info", f"vLLM verifies a chain on {arch} (0.32 has no tree verification, and "
+                "a tree on a hybrid target needs a recurrent state per draft token): serve num_speculative_tokens k "
+                "as a chain; a tree shape is not servable there", vllm_facts.HYBRID_TREE_SOURCE)
     elif engine == "sglang":
         verdict = sglang_facts.eagle3_on_hybrid(arch)
         if block and arch in sglang_facts.BLOCK_ONLY_HYBRID_TARGETS:
