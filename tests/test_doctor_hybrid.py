@@ -291,3 +291,16 @@ def test_llamacpp_places_the_drafters_aux_ids_on_layer_kinds(targets, tmp_path):
     report = diagnose(targets["lfm2"], drafter, engine="llamacpp")
     f = next(f for f in report.findings if f.id == "aux.hybrid-layers")
     assert f.message.startswith("llama.cpp reads aux ids 2 (after layer 1, recurrent)"), report.summary()
+
+
+def test_vllm_dflash_on_an_unmarked_hybrid_fails_as_eagle3_does(tmp_path):
+    """vLLM 0.32's runner asks SupportsEagle3 for DFlash's aux states too: a block drafter does not get around it."""
+    from draftsmith.stages.export.block import export_block
+    from draftsmith.testing.blocks import random_block_checkpoint, tiny_spec
+
+    target = fixture("llama", tmp_path)
+    edit(target, architectures=["GraniteMoeHybridForCausalLM"], layer_types=(["mamba"] * 3 + ["attention"]) * 2)
+    spec = tiny_spec("dflash", hidden_size=128, target_hidden_size=128, head_dim=32)
+    export_block(random_block_checkpoint(spec), tmp_path / "dflash", "vllm", verifier="org/target")
+    report = diagnose(target, tmp_path / "dflash", engine_version="0.32")
+    assert "vllm.eagle3-interface" in report.ids("error") and "vllm.hybrid-chain" in report.ids("info")

