@@ -132,13 +132,19 @@ def test_aux_ids_read_by_the_engine_are_placed_on_layer_kinds(tmp_path):
 
 
 # --- SGLang and llama.cpp --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch, severity", [("qwen3_next", "info"), ("lfm2", "error"), ("granitemoehybrid", "warning")])
+@pytest.mark.parametrize("arch, severity", [("qwen3_next", "info"), ("qwen3_5_text", "info"), ("lfm2", "error"),
+                                            ("nemotron_h", "error"), ("granitemoehybrid", "error")])
 def test_sglang_hybrid_verdicts(targets, arch, severity):
+    """SGLang 0.5.23: EAGLE-3 hooks on Qwen3-Next and Qwen3.5, DFlash-only on LFM2 and Nemotron-H, none on Granite-4."""
     report = diagnose(targets[arch], engine="sglang")
     f = next(f for f in report.findings if f.id == "sglang.hybrid")
     assert f.severity == severity, report.summary()
+    if severity == "error":
+        assert "has no set_eagle3_layers_to_capture" in f.message
     if arch == "lfm2":
-        assert "DFlash only" in f.message and "--engine llamacpp" in f.fix
+        assert "--engine llamacpp" in f.fix and "DFlash drafter for SGLang" in f.fix
+    if arch == "nemotron_h":  # vLLM 0.32 marks it
+        assert "vLLM 0.32 (it marks NemotronHForCausalLM SupportsEagle3)" in f.fix
 
 
 @pytest.mark.parametrize("arch, ok", [("qwen3_5_text", True), ("lfm2", True), ("qwen3_next", False),
@@ -280,7 +286,7 @@ def test_sglang_lfm2_serves_a_dflash_drafter(tmp_path):
     spec = tiny_spec("dflash", hidden_size=128, target_hidden_size=128, head_dim=32)
     export_block(random_block_checkpoint(spec), tmp_path / "dflash", "sglang", verifier="org/target")
     block = next(f for f in diagnose(target, tmp_path / "dflash", engine="sglang").findings if f.id == "sglang.hybrid")
-    assert block.severity == "info" and "DFlash" in block.message
+    assert block.severity == "info" and "DFlash drafters aux states" in block.message
     assert "sglang.hybrid" in diagnose(target, engine="sglang").ids("error")
 
 

@@ -93,27 +93,23 @@ def check_hybrid_engine(out: Findings, engine: str, arch: str | None, model_type
                 "a tree on a hybrid target needs a recurrent state per draft token): serve num_speculative_tokens k "
                 "as a chain; a tree shape is not servable there", vllm_facts.HYBRID_TREE_SOURCE)
     elif engine == "sglang":
-        verdict = sglang_facts.eagle3_on_hybrid(arch)
-        if block and arch in sglang_facts.BLOCK_ONLY_HYBRID_TARGETS:
-            out.add("sglang.hybrid", "info", f"SGLang's {arch} captures aux states for DFlash drafters "
-                    "(set_dflash_layers_to_capture)", sglang_facts.SOURCE)
-        elif block:
-            out.add("sglang.hybrid", "warning", f"cannot tell whether SGLang serves block drafters for the hybrid "
-                    f"{arch} (not in draftsmith's SGLang facts)", sglang_facts.SOURCE,
-                    "check that SGLang's class defines set_dflash_layers_to_capture")
-        elif verdict:
-            out.add("sglang.hybrid", "info", f"SGLang serves EAGLE-3 drafters for {arch} and verifies trees on it "
-                    "(a recurrent state per draft token)", sglang_facts.SOURCE)
+        kind = "DFlash" if block else "EAGLE-3"
+        verdict = sglang_facts.serves_on_hybrid(arch, block=block)
+        hook = "set_dflash_layers_to_capture" if block else "set_eagle3_layers_to_capture"
+        if verdict:
+            out.add("sglang.hybrid", "info", f"SGLang feeds {kind} drafters aux states on {arch} ({hook}) and "
+                    "verifies trees on it (a recurrent state per draft token)", sglang_facts.SOURCE)
         elif verdict is False:
-            out.add("sglang.hybrid", "error", f"SGLang's {arch} captures aux states for DFlash only (no "
-                    "set_eagle3_layers_to_capture): an EAGLE-3 drafter gets no aux states there",
-                    sglang_facts.SOURCE, "; ".join(ways_out(arch, model_type, besides="sglang"))
-                    + "; or train a DFlash drafter for SGLang")
+            other = ("; or train a DFlash drafter for SGLang" if not block and arch in
+                     sglang_facts.BLOCK_ONLY_HYBRID_TARGETS else "")
+            out.add("sglang.hybrid", "error", f"SGLang {sglang_facts.VERSION}'s {arch} has no {hook}: a {kind} "
+                    "drafter gets no aux states there", sglang_facts.SOURCE,
+                    "; or ".join(ways_out(arch, model_type, besides="sglang")) + other)
         else:
-            out.add("sglang.hybrid", "warning", f"cannot tell whether SGLang serves EAGLE-3 drafters for the hybrid "
-                    f"{arch} (not in draftsmith's SGLang facts)", sglang_facts.SOURCE,
-                    "check that SGLang's class defines set_eagle3_layers_to_capture, or "
-                    + "; ".join(ways_out(arch, model_type, besides="sglang")))
+            out.add("sglang.hybrid", "warning", f"cannot tell whether SGLang serves {kind} drafters for the hybrid "
+                    f"{arch} (not in draftsmith's SGLang {sglang_facts.VERSION} facts)", sglang_facts.SOURCE,
+                    f"check that SGLang's class defines {hook}, or "
+                    + "; or ".join(ways_out(arch, model_type, besides="sglang")))
 
 
 __all__ = ["check_aux_kinds", "check_hybrid_engine", "check_layer_kinds", "describe_ids", "kinds_evidence",
