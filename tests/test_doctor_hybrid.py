@@ -310,3 +310,8 @@ def test_vllm_dflash_on_an_unmarked_hybrid_fails_as_eagle3_does(tmp_path):
     export_block(random_block_checkpoint(spec), tmp_path / "dflash", "vllm", verifier="org/target")
     report = diagnose(target, tmp_path / "dflash", engine_version="0.32")
     assert "vllm.eagle3-interface" in report.ids("error") and "vllm.hybrid-chain" in report.ids("info")
+
+
+def test_openvino_notes_the_hybrid_and_cannot_tell(targets):
+    report = diagnose(targets["lfm2"], engine="openvino")
+    assert "target.hybrid" in report.ids("info") and "openvino.target-arch" in report.ids("warning")
