@@ -143,6 +143,7 @@ def test_sglang_hybrid_verdicts(targets, arch, severity):
         assert "has no set_eagle3_layers_to_capture" in f.message
     if arch == "lfm2":
         assert "--engine llamacpp" in f.fix and "DFlash drafter for SGLang" in f.fix
+        assert "vLLM 0.32 and draftsmith's plugin" in f.fix
     if arch == "nemotron_h":  # vLLM 0.32 marks it
         assert "vLLM 0.32 (it marks NemotronHForCausalLM SupportsEagle3)" in f.fix
 

@@ -73,8 +73,12 @@ def check_aux_kinds(out: Findings, kinds: tuple[str, ...] | None, ids: Iterable[
 def ways_out(arch: str | None, model_type: str | None, *, besides: str) -> list[str]:
     """The engines that serve an EAGLE-3 drafter for this hybrid target, other than ``besides``, then draftsmith."""
     found = []
-    if besides != "vllm" and arch in vllm_facts.VLLM_PROFILES["0.32"].eagle3_targets:
+    v032 = vllm_facts.VLLM_PROFILES["0.32"]
+    if besides != "vllm" and arch in v032.eagle3_targets:
         found.append(f"serve with vLLM 0.32 (it marks {arch} SupportsEagle3)")
+    elif besides != "vllm" and arch in v032.plugin_patchable:
+        found.append(f"serve with vLLM 0.32 and draftsmith's plugin in its environment (it adds SupportsEagle3 to "
+                     f"{arch})")
     gguf = llamacpp_facts.gguf_arch(model_type, arch)
     if besides != "llamacpp" and llamacpp_facts.target_supported(gguf):
         found.append(f"serve with --engine llamacpp (its {gguf} graph hands layer inputs to EAGLE-3)")
