@@ -440,3 +440,60 @@ def test_plugin_makes_mixtral_eagle3_capable_in_vllm(tmp_path):
     agree = sum(a == b for out, seq, p in zip(result["outputs"], sequences, prompts, strict=False)
                 for a, b in zip(out, seq[len(p):], strict=False))
     assert agree >= 0.9 * sum(len(o) for o in result["outputs"])
+
+
+_HYBRID_SCRIPT = r'''
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+target, drafter = sys.argv[1:3]
+try:
+    # Prefix caching puts a Mamba-style cache in "align" mode, whose pre-copy is a Triton kernel: off on a CPU.
+    llm = LLM(model=target, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=2, seed=0,
+              enable_prefix_caching=False,
+              speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": 3})
+    out = llm.generate([TokensPrompt(prompt_token_ids=[5, 17, 42])], SamplingParams(temperature=0, max_tokens=4))
+    print("RESULT " + json.dumps(list(out[0].outputs[0].token_ids)))
+except Exception as e:
+    print("FAILED " + " ".join(str(e).split()))
+'''
+
+
+@pytest.mark.slow
+def test_hybrid_load_verdicts_match_vllm_032(tmp_path):
+    """doctor's verdict is what vLLM 0.32 does at load: LFM2 fails without the plugin and loads with it (the plugin
+    repeats its keyword-called loop); Granite-4 fails with it too. Doctor, run in vLLM's environment, agrees."""
+    _vllm_env_or_skip()
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.testing.models import save_tiny_target
+
+    small = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    made = {}
+    for arch, extra in (("lfm2", {"block_ff_dim": 256}), ("granitemoehybrid", {"head_dim": 32, "mamba_d_head": 64})):
+        t = save_tiny_target(tmp_path / arch, arch, **small, **extra)
+        cfg = json.loads((t / "config.json").read_text())
+        cfg.update(conv_dim=128, block_dim=128)  # read by vLLM's Lfm2; transformers 5.25 no longer writes them
+        (t / "config.json").write_text(json.dumps(cfg))
+        made[arch] = (t, new_drafter(load_target(t, dtype=torch.float32), seed=0).save(tmp_path / f"{arch}-d"))
+    script = tmp_path / "run.py"
+    script.write_text(_HYBRID_SCRIPT)
+
+    def serve(arch: str, plugin: bool) -> str:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "1", vi.PLUGIN_ENV: "1" if plugin else "0"}
+        env.pop("PYTHONPATH", None)
+        done = subprocess.run([str(VLLM_PY), str(script), *map(str, made[arch])], env=env, capture_output=True,
+                              text=True, timeout=900, cwd=tmp_path)
+        return next((line for line in done.stdout.splitlines() if line.startswith(("RESULT", "FAILED"))),
+                    done.stderr[-2000:])
+
+    assert vllm_facts.SEED_ERROR_032 in serve("lfm2", plugin=False)
+    assert serve("lfm2", plugin=True).startswith("RESULT")
+    assert vllm_facts.SEED_ERROR_032 in serve("granitemoehybrid", plugin=True)
+    for arch, blocking in (("lfm2", False), ("granitemoehybrid", True)):
+        doc = subprocess.run([str(VLLM_PY), "-m", "draftsmith.cli", "doctor", "--target", str(made[arch][0]),
+                              "--json"], capture_output=True, text=True, timeout=300)
+        interface = next(f for f in json.loads(doc.stdout)["findings"] if f["id"] == "vllm.eagle3-interface")
+        assert (interface["severity"] == "error") == blocking, interface
