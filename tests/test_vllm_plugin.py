@@ -49,7 +49,8 @@ def test_register_is_a_no_op_when_switched_off(monkeypatch):
 
 
 def test_plugin_candidates_and_lazy_class_names(monkeypatch):
-    assert "MixtralForCausalLM" in vi.plugin_candidates()
+    assert "MixtralForCausalLM" in vi.plugin_candidates() and "Lfm2ForCausalLM" in vi.plugin_candidates()
+    assert "GraniteMoeHybridForCausalLM" not in vi.plugin_candidates()
     monkeypatch.setenv(vi.EXTRA_ARCHS_ENV, "MyLlamaLikeForCausalLM, ")
     assert "MyLlamaLikeForCausalLM" in vi.plugin_candidates()
     with pytest.raises(AttributeError):
@@ -118,6 +119,94 @@ def test_passthrough_forward():
             hidden_states = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
             return hidden_states * self.scale
     '''))
+
+
+# LFM2's decoder loop as vLLM writes it (model_executor/models/lfm2.py): Llama's, with layers called by keyword
+# (its convolution layers take no positions) and a final norm named embedding_norm.
+_LFM2_LIKE = (_MIXTRAL_LIKE.replace("""        hidden_states, residual = layer(
+            positions,
+            hidden_states,
+            residual,
+            **kwargs,
+        )""", """        hidden_states, residual = layer(
+            positions=positions,
+            hidden_states=hidden_states,
+            residual=residual,
+        )""").replace("self.norm(hidden_states, residual)", "self.embedding_norm(hidden_states, residual)"))
+
+
+def test_residual_loop_takes_lfm2s_spelling_and_no_other_change():
+    assert pysource.residual_loop(_fn(_MIXTRAL_LIKE)) == pysource.ResidualLoop(False, "norm")
+    assert pysource.residual_loop(_fn(_LFM2_LIKE)) == pysource.ResidualLoop(True, "embedding_norm")
+    # Granite-4's loop: scaled embeddings and an unfused final norm over a stream the layers return whole.
+    scaled = "        hidden_states *= self.embedding_multiplier\n        residual = None\n"
+    granite = _LFM2_LIKE.replace("        residual = None\n", scaled)
+    assert granite != _LFM2_LIKE and pysource.residual_loop(_fn(granite)) is None
+    unfused = _LFM2_LIKE.replace("hidden_states, _ = self.embedding_norm(hidden_states, residual)",
+                                 "hidden_states = self.norm(hidden_states)")
+    assert unfused != _LFM2_LIKE and pysource.residual_loop(_fn(unfused)) is None
+    extra_arg = _LFM2_LIKE.replace("residual=residual,\n", "residual=residual,\n            cache=None,\n")
+    assert extra_arg != _LFM2_LIKE and pysource.residual_loop(_fn(extra_arg)) is None
+
+
+class _Group:
+    is_first_rank = is_last_rank = True
+
+
+class _FakeDecoder:
+    """An LFM2-like decoder for the plugin's forward: convolution layers take no positions, one attention layer does,
+    and each returns (hidden_states, residual) with the stream entering the next layer equal to their sum."""
+
+    start_layer, end_layer = 0, 3
+    aux_hidden_state_layers = (1, 3)
+    _draftsmith_layer_keywords, _draftsmith_norm = True, "embedding_norm"
+
+    def __init__(self):
+        def conv(hidden_states, residual, **kw):  # no positions argument: a positional call would misplace them
+            stream = hidden_states if residual is None else hidden_states + residual
+            return stream * 2, stream
+
+        def attention(positions, hidden_states, residual, **kw):
+            stream = hidden_states + residual
+            return stream + positions[:, None], stream
+
+        self.layers = [conv, attention, conv]
+
+    def embed_input_ids(self, ids):
+        return ids.float()[:, None].repeat(1, 4)
+
+    def embedding_norm(self, hidden_states, residual):
+        return hidden_states + residual, None
+
+    def collect_remote_aux_hidden_states(self, intermediate_tensors):
+        return []
+
+    def _maybe_add_hidden_state(self, aux, idx, hidden_states, residual):  # vLLM's EagleModelMixin
+        if idx in self.aux_hidden_state_layers:
+            aux.append(hidden_states + residual if residual is not None else hidden_states)
+        return aux
+
+
+def test_plugin_forward_calls_layers_as_the_class_does(monkeypatch):
+    """The patched forward runs the class's own loop: keyword layer calls, its norm, the streams entering layers 1
+    and 3 as aux states (vLLM's modules stubbed: only get_pp_group and IntermediateTensors are touched)."""
+    import types
+
+    distributed = types.ModuleType("vllm.distributed")
+    distributed.get_pp_group = lambda: _Group()
+    sequence = types.ModuleType("vllm.sequence")
+    sequence.IntermediateTensors = dict
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed", distributed)
+    monkeypatch.setitem(sys.modules, "vllm.sequence", sequence)
+    ids, positions = torch.tensor([1, 2]), torch.tensor([0, 1])
+    hidden, aux = vi._forward_with_aux(_FakeDecoder(), ids, positions)
+    x = ids.float()[:, None].repeat(1, 4)
+    h1, r1 = x * 2, x
+    h2, r2 = h1 + r1 + positions[:, None].float(), h1 + r1
+    h3, r3 = (h2 + r2) * 2, h2 + r2
+    assert torch.equal(aux[0], h1 + r1) and torch.equal(aux[1], h3 + r3)
+    assert torch.equal(hidden, h3 + r3)
 
 
 def test_profiles_and_versions():
@@ -351,3 +440,60 @@ def test_plugin_makes_mixtral_eagle3_capable_in_vllm(tmp_path):
     agree = sum(a == b for out, seq, p in zip(result["outputs"], sequences, prompts, strict=False)
                 for a, b in zip(out, seq[len(p):], strict=False))
     assert agree >= 0.9 * sum(len(o) for o in result["outputs"])
+
+
+_HYBRID_SCRIPT = r'''
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+target, drafter = sys.argv[1:3]
+try:
+    # Prefix caching puts a Mamba-style cache in "align" mode, whose pre-copy is a Triton kernel: off on a CPU.
+    llm = LLM(model=target, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=2, seed=0,
+              enable_prefix_caching=False,
+              speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": 3})
+    out = llm.generate([TokensPrompt(prompt_token_ids=[5, 17, 42])], SamplingParams(temperature=0, max_tokens=4))
+    print("RESULT " + json.dumps(list(out[0].outputs[0].token_ids)))
+except Exception as e:
+    print("FAILED " + " ".join(str(e).split()))
+'''
+
+
+@pytest.mark.slow
+def test_hybrid_load_verdicts_match_vllm_032(tmp_path):
+    """doctor's verdict is what vLLM 0.32 does at load: LFM2 fails without the plugin and loads with it (the plugin
+    repeats its keyword-called loop); Granite-4 fails with it too. Doctor, run in vLLM's environment, agrees."""
+    _vllm_env_or_skip()
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+    from draftsmith.testing.models import save_tiny_target
+
+    small = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    made = {}
+    for arch, extra in (("lfm2", {"block_ff_dim": 256}), ("granitemoehybrid", {"head_dim": 32, "mamba_d_head": 64})):
+        t = save_tiny_target(tmp_path / arch, arch, **small, **extra)
+        cfg = json.loads((t / "config.json").read_text())
+        cfg.update(conv_dim=128, block_dim=128)  # read by vLLM's Lfm2; transformers 5.25 no longer writes them
+        (t / "config.json").write_text(json.dumps(cfg))
+        made[arch] = (t, new_drafter(load_target(t, dtype=torch.float32), seed=0).save(tmp_path / f"{arch}-d"))
+    script = tmp_path / "run.py"
+    script.write_text(_HYBRID_SCRIPT)
+
+    def serve(arch: str, plugin: bool) -> str:
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "1", vi.PLUGIN_ENV: "1" if plugin else "0"}
+        env.pop("PYTHONPATH", None)
+        done = subprocess.run([str(VLLM_PY), str(script), *map(str, made[arch])], env=env, capture_output=True,
+                              text=True, timeout=900, cwd=tmp_path)
+        return next((line for line in done.stdout.splitlines() if line.startswith(("RESULT", "FAILED"))),
+                    done.stderr[-2000:])
+
+    assert vllm_facts.SEED_ERROR_032 in serve("lfm2", plugin=False)
+    assert serve("lfm2", plugin=True).startswith("RESULT")
+    assert vllm_facts.SEED_ERROR_032 in serve("granitemoehybrid", plugin=True)
+    for arch, blocking in (("lfm2", False), ("granitemoehybrid", True)):
+        doc = subprocess.run([str(VLLM_PY), "-m", "draftsmith.cli", "doctor", "--target", str(made[arch][0]),
+                              "--json"], capture_output=True, text=True, timeout=300)
+        interface = next(f for f in json.loads(doc.stdout)["findings"] if f["id"] == "vllm.eagle3-interface")
+        assert (interface["severity"] == "error") == blocking, interface

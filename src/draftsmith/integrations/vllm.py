@@ -1,11 +1,12 @@
 """draftsmith's vLLM plugin: makes more target classes EAGLE-3-capable inside vLLM.
 
 vLLM's runner raises "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested" for a
-target class without ``SupportsEagle3``. For a class whose decoder loop is exactly Llama's pre-EAGLE loop (checked
-on its source, not assumed), the plugin (entry point group ``vllm.general_plugins``, ``register``) registers a
-subclass that captures the residual stream entering the requested layers (``hidden_states + residual`` of the
-previous layer, as vLLM's Llama does) and returns ``(hidden, aux_list)``. Set ``DRAFTSMITH_VLLM_PLUGIN=0`` to
-turn it off.
+target class without ``SupportsEagle3``. For a class whose decoder loop is Llama's pre-EAGLE residual-stream loop
+(checked on its source, not assumed; ``pysource.residual_loop`` allows layers called by keyword and a final norm
+of another name, as LFM2's hybrid loop has them), the plugin (entry point group ``vllm.general_plugins``,
+``register``) registers a subclass that captures the residual stream entering the requested layers
+(``hidden_states + residual`` of the previous layer, as vLLM's Llama does) and returns ``(hidden, aux_list)``.
+Set ``DRAFTSMITH_VLLM_PLUGIN=0`` to turn it off.
 
 vLLM loads this module in every process, so it imports vLLM only inside functions and imports nothing of
 draftsmith beyond ``draftsmith.core``. What each vLLM version does with a pair lives in
@@ -31,12 +32,11 @@ import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from draftsmith.core.pysource import inner_model_name, llama_like_decoder, passthrough_forward
-from draftsmith.core.vllm_facts import PLUGIN_ENV, PLUGIN_OFF, VLLM_PROFILES
+from draftsmith.core.pysource import inner_model_name, passthrough_forward, residual_loop
+from draftsmith.core.vllm_facts import EXTRA_ARCHS_ENV, PLUGIN_ENV, PLUGIN_OFF, plugin_candidates
 
 logger = logging.getLogger(__name__)
 
-EXTRA_ARCHS_ENV = "DRAFTSMITH_VLLM_EAGLE3_ARCHS"  # comma-separated extra architectures for the plugin to try
 _CLASS_PREFIX = "Eagle3Plugin_"
 
 
@@ -55,12 +55,6 @@ def register() -> None:
     for arch in plugin_candidates():
         if arch in supported:
             ModelRegistry.register_model(arch, f"{__name__}:{_CLASS_PREFIX}{arch}")
-
-
-def plugin_candidates() -> list[str]:
-    """Architectures the plugin offers to patch: 0.32's verified set plus ``DRAFTSMITH_VLLM_EAGLE3_ARCHS``."""
-    extra = [a.strip() for a in os.environ.get(EXTRA_ARCHS_ENV, "").split(",") if a.strip()]
-    return sorted(VLLM_PROFILES["0.32"].plugin_patchable | set(extra))
 
 
 def __getattr__(name: str):
@@ -98,8 +92,10 @@ def eagle3_class(arch: str) -> type:
     if issubclass(inner, EagleModelMixin):
         inner_eagle = inner
     else:
+        loop = residual_loop(_func_ast(inner.forward))
         inner_eagle = type(inner.__name__, (inner, EagleModelMixin), {
             "forward": _forward_with_aux, "__module__": __name__,
+            "_draftsmith_layer_keywords": loop.layer_keywords, "_draftsmith_norm": loop.norm,
             "__qualname__": f"{_CLASS_PREFIX}{inner.__qualname__}",
             "__doc__": f"{inner.__qualname__} that also returns EAGLE-3 aux hidden states (draftsmith plugin).",
         })
@@ -134,10 +130,10 @@ def _unpatchable_reason(outer: type) -> str | None:
     if issubclass(inner, EagleModelMixin):
         return None
     try:
-        ok = llama_like_decoder(_func_ast(inner.forward))
+        loop = residual_loop(_func_ast(inner.forward))
     except (OSError, TypeError, SyntaxError) as e:
         return f"decoder source unavailable ({e})"
-    return None if ok else f"{inner_name}.forward is not Llama's decoder loop"
+    return None if loop is not None else f"{inner_name}.forward is not the residual-stream loop the plugin repeats"
 
 
 @contextmanager
@@ -152,10 +148,12 @@ def _swapped(scope: dict, name: str, value) -> Iterator[None]:
 
 
 def _forward_with_aux(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-    """Llama's decoder loop plus aux capture, as vLLM's own LlamaModel.forward does it.
+    """The decoder's own residual-stream loop plus aux capture, as vLLM's LlamaModel.forward does it.
 
     Aux state L = the residual stream entering layer L = ``hidden_states + residual`` after layer L-1 (L = 0:
-    the embeddings). Parameter names match the decorated class's, which torch.compile's dynamic dims are keyed on.
+    the embeddings). Layers are called as the class calls them (by keyword where it does: LFM2's convolution
+    layers take no positions argument) and the final norm is the class's own (``_draftsmith_norm``). Parameter
+    names match the decorated class's, which torch.compile's dynamic dims are keyed on.
     """
     from itertools import islice
 
@@ -174,12 +172,16 @@ def _forward_with_aux(self, input_ids, positions, intermediate_tensors=None, inp
     if get_pp_group().is_first_rank:
         self._maybe_add_hidden_state(aux_hidden_states, self.start_layer, hidden_states, residual)
     for idx, layer in enumerate(islice(self.layers, self.start_layer, self.end_layer), start=self.start_layer):
-        hidden_states, residual = layer(positions, hidden_states, residual, **kwargs)
+        if self._draftsmith_layer_keywords:
+            hidden_states, residual = layer(positions=positions, hidden_states=hidden_states, residual=residual,
+                                            **kwargs)
+        else:
+            hidden_states, residual = layer(positions, hidden_states, residual, **kwargs)
         self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)
     if not get_pp_group().is_last_rank:
         return IntermediateTensors({"hidden_states": hidden_states, "residual": residual,
                                     **self.pack_local_aux_hidden_states(aux_hidden_states)})
-    hidden_states, _ = self.norm(hidden_states, residual)
+    hidden_states, _ = getattr(self, self._draftsmith_norm)(hidden_states, residual)
     aux_hidden_states = remote_aux + aux_hidden_states
     if aux_hidden_states:
         return hidden_states, aux_hidden_states

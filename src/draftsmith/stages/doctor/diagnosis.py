@@ -13,6 +13,7 @@ from draftsmith.stages.doctor.block_checks import TargetShape, check_block_draft
 from draftsmith.stages.doctor.drafter_checks import check_drafter_config, check_vocab_mapping, check_weights
 from draftsmith.stages.doctor.engine_checks import check_vllm_target
 from draftsmith.stages.doctor.hub import HubModel, download_hint, resolve_hub
+from draftsmith.stages.doctor.hybrid_checks import check_aux_kinds, check_hybrid_engine, check_layer_kinds
 from draftsmith.stages.doctor.norm_checks import check_drafter_norms
 from draftsmith.stages.doctor.report import ENGINES, DoctorReport, DoctorUsageError, Findings
 from draftsmith.stages.doctor.state import EngineFacts, load_drafter, load_target, setup_engine
@@ -70,9 +71,14 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
     check_target(out, engine, t)
     check_weight_files(out, "target", target_dir, engine.name, target_hub)
     check_tokenizer(out, t)
+    kinds = check_layer_kinds(out, t.text_raw, t.nested)
     if engine.name == "vllm":
         check_vllm_target(out, engine, t)
-    if is_block_dir(drafter_dir):  # a DFlash/DSpark drafter: its own checks (the EAGLE-3 ones do not apply)
+    block = is_block_dir(drafter_dir)
+    if kinds is not None:
+        check_hybrid_engine(out, engine.name, t.arch, t.text_raw.get("model_type"), block=block,
+                            on_cpu=engine.name == "vllm" and _vllm_on_cpu())
+    if block:  # a DFlash/DSpark drafter: its own checks (the EAGLE-3 ones do not apply)
         check_block_drafter(out, engine.name, TargetShape.of(t), drafter_dir, engine_version=engine.version,
                             on_cpu=engine.name == "vllm" and _vllm_on_cpu())
         return
@@ -83,6 +89,7 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
     check_weights(out, engine, d)
     check_drafter_norms(out, engine, d)
     check_aux_layers(out, engine, t, d)
+    check_aux_kinds(out, kinds, out.facts.get("aux_layer_ids_read_by_engine"), engine.name)
     check_vocab_mapping(out, engine, t, d)
 
 

@@ -8,7 +8,9 @@ conventions) are checked with the drafter.
 from __future__ import annotations
 
 from draftsmith.core import vllm_facts
+from draftsmith.core.conventions import layer_kinds
 from draftsmith.stages.doctor.hfsource import get_dotted
+from draftsmith.stages.doctor.hybrid_checks import ways_out
 from draftsmith.stages.doctor.report import Findings
 from draftsmith.stages.doctor.state import EngineFacts, TargetFiles
 
@@ -24,16 +26,26 @@ def check_vllm_target(out: Findings, engine: EngineFacts, t: TargetFiles) -> Non
     out.facts["vllm_supports_eagle3"] = supports
     version = engine.version or p.name
     if supports is False:
-        patchable = engine.live.plugin_patchable(arch) if engine.live is not None else arch in p.plugin_patchable
+        refusal = (engine.live.plugin_refusal(arch) if engine.live is not None else
+                   None if arch in p.plugin_patchable else p.plugin_refusals.get(arch, "not in its verified set"))
+        patchable = refusal is None and arch in vllm_facts.plugin_candidates()
         if patchable and engine.live is not None and vllm_facts.plugin_installed():
             out.add("vllm.eagle3-interface", "info", f"vLLM {version}'s {arch} lacks SupportsEagle3; "
                     "draftsmith's vLLM plugin (installed here) adds it", f"{evidence} ({how})")
         else:
-            fix = ("install draftsmith into vLLM's environment (pip install --no-deps draftsmith): its "
-                   f"vllm.general_plugins entry point adds SupportsEagle3 to {arch}" if patchable else
-                   f"use a vLLM version whose {arch} implements SupportsEagle3"
-                   + (" (0.32 does)" if arch in vllm_facts.VLLM_PROFILES["0.32"].eagle3_targets else "")
-                   + ", or serve with SGLang / draftsmith")
+            hybrid = layer_kinds(t.text_raw) is not None
+            if patchable:
+                fix = ("install draftsmith into vLLM's environment (pip install --no-deps draftsmith): its "
+                       f"vllm.general_plugins entry point adds SupportsEagle3 to {arch}")
+                if hybrid:
+                    fix += "".join(f"; or {w}" for w in ways_out(arch, t.text_raw.get("model_type"), besides="vllm"))
+            elif hybrid:
+                fix = (f"draftsmith's vLLM plugin cannot add SupportsEagle3 to {arch} ({refusal}): "
+                       + "; or ".join(ways_out(arch, t.text_raw.get("model_type"), besides="vllm")))
+            else:
+                fix = (f"use a vLLM version whose {arch} implements SupportsEagle3"
+                       + (" (0.32 does)" if arch in vllm_facts.VLLM_PROFILES["0.32"].eagle3_targets else "")
+                       + ", or serve with SGLang / draftsmith")
             out.add("vllm.eagle3-interface", "error", f"vLLM {version}: \"{p.seed_error}\": the target "
                     f"class {arch} does not implement SupportsEagle3, found only after the full target load",
                     f"{evidence} ({how})", fix, engine_fact=True)

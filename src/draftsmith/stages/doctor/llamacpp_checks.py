@@ -17,6 +17,7 @@ from draftsmith.core import llamacpp_facts as facts
 from draftsmith.core.conventions import norm_switches
 from draftsmith.core.errors import one_line
 from draftsmith.core.gguf_file import GgufFileError, open_gguf
+from draftsmith.stages.doctor.hybrid_checks import check_aux_kinds, check_layer_kinds, ways_out
 from draftsmith.stages.doctor.report import DoctorReport, DoctorUsageError, Findings
 
 
@@ -33,6 +34,8 @@ def diagnose_llamacpp(target: str | Path, drafter: str | Path | None = None) -> 
                 "pass the target's whole .gguf (download or convert it again)")
         tgt = {"arch": None, "num_layers": None, "hidden_size": None, "vocab_size": None, "tensors": None}
     else:
+        if tgt.get("hf_config") is not None:
+            tgt["kinds"] = check_layer_kinds(out, tgt["hf_config"])
         _check_target_arch(out, tgt)
         _check_target_tensors(out, tgt)
     out.facts.update(architecture=tgt["arch"], num_layers=tgt["num_layers"], hidden_size=tgt["hidden_size"],
@@ -67,6 +70,7 @@ def _check_any_drafter(out: Findings, tgt: dict, drafter: str | Path) -> None:
     d = _drafter_facts(drafter)
     out.facts.update(drafter_format=d["format"], aux_layer_ids=d["aux"], draft_vocab_size=d["draft_vocab"])
     _check_drafter(out, tgt, d)
+    check_aux_kinds(out, tgt.get("kinds"), d["aux"], "llama.cpp")
 
 
 def _is_block(drafter: str | Path) -> bool:
@@ -105,7 +109,8 @@ def _target_facts(target: str | Path) -> dict:
 
     p = smollm2_gguf_path() if str(target) == EMBEDDED_DEFAULT else Path(target).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        f = _gguf_fields(p, ("general.", "llama.", "qwen", "gemma", "gpt-oss", "lfm2", "phi3", "smollm3"))
+        f = _gguf_fields(p, ("general.", "llama.", "qwen", "gemma", "gpt-oss", "lfm2", "phi3", "smollm3",
+                             "granitehybrid.", "nemotron_h.", "falcon-h1.", "jamba."))
         arch = str(f.get("general.architecture"))
         return {"source": f"{p.name}: general.architecture", "arch": arch, "path": p,
                 "num_layers": f.get(f"{arch}.block_count"), "hidden_size": f.get(f"{arch}.embedding_length"),
@@ -116,7 +121,7 @@ def _target_facts(target: str | Path) -> dict:
         mt = text.get("model_type") or raw.get("model_type")
         archs = raw.get("architectures") or [None]
         return {"source": f"config.json: model_type = {mt!r} (llama.cpp converts it to a GGUF)",
-                "arch": facts.gguf_arch(mt, archs[0]), "hf_model_type": mt,
+                "arch": facts.gguf_arch(mt, archs[0]), "hf_model_type": mt, "hf_arch": archs[0], "hf_config": text,
                 "num_layers": text.get("num_hidden_layers"), "hidden_size": text.get("hidden_size"),
                 "vocab_size": text.get("vocab_size"), "tensors": None}
     raise DoctorUsageError(f"{target}: llama.cpp serves a .gguf target; pass that file (or a model directory "
@@ -170,13 +175,18 @@ def _drafter_dir_facts(p: Path) -> dict:
 def _check_target_arch(out: Findings, t: dict) -> None:
     arch, ok = t["arch"], facts.target_supported(t["arch"])
     supported = ", ".join(sorted(facts.TARGET_ARCHES))
+    recurrent = arch in facts.RECURRENT_ARCHES
     if ok:
-        out.add("llamacpp.target-arch", "info", f"llama.cpp extracts EAGLE-3 layer inputs from {arch} targets",
-                t["source"] + f" = {arch}")
+        out.add("llamacpp.target-arch", "info", f"llama.cpp extracts EAGLE-3 layer inputs from {arch} targets"
+                + (f" (for DFlash/DSpark too); {arch} keeps a recurrent state, so llama.cpp verifies a chain and a "
+                   "tree shape is not servable there" if recurrent else ""), t["source"] + f" = {arch}")
     elif ok is False:
+        fix = f"serve a target of architecture {supported}, or use vLLM/SGLang"
+        if recurrent:
+            fix = "; or ".join(ways_out(t.get("hf_arch"), t.get("hf_model_type"), besides="llamacpp"))
         out.add("llamacpp.target-arch", "error", f"llama.cpp's {arch} graph exposes no layer inputs: the pair loads, "
-                "then aborts at the first decode (GGML_ASSERT \"layer input tensor is null\")",
-                t["source"] + f" = {arch}", f"serve a target of architecture {supported}, or use vLLM/SGLang")
+                "then aborts at the first decode (GGML_ASSERT \"layer input tensor is null\"), for EAGLE-3, DFlash and "
+                "DSpark alike", t["source"] + f" = {arch}", fix)
     else:
         out.add("llamacpp.target-arch", "warning", f"cannot tell whether llama.cpp drafts for this target ({arch})",
                 t["source"], f"llama.cpp's EAGLE-3 targets: {supported}")

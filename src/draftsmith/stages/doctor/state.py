@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.core import vllm_facts
-from draftsmith.core.conventions import NORM_SWITCHES, canonical_weight_name
+from draftsmith.core.conventions import NORM_SWITCHES, canonical_weight_name, layer_kinds
 from draftsmith.core.layouts import detect_layout
 from draftsmith.core.pysource import VllmSource
 from draftsmith.core.tensorfile import TensorInfo, read_checkpoint_headers
@@ -123,8 +123,12 @@ def load_target(out: Findings, path: Path) -> TargetFiles | None:
         tok_cfg, err = _parse_json(path / "tokenizer_config.json")
         errors += [f"tokenizer_config.json: {err}"] if err else []
     n_tok, source = _tokenizer_size(tok_json, tok_cfg or {}) if present else (None, "")
+    num_layers = text_raw.get("num_hidden_layers")
+    if num_layers is None:  # transformers 5 writes Nemotron-H's depth only as the length of layers_block_type
+        kinds = layer_kinds(text_raw)
+        num_layers = len(kinds) if kinds is not None else None
     t = TargetFiles(path=path, raw=raw, text_raw=text_raw, hf=HFSource.installed(), arch=archs[0] if archs else None,
-                    num_layers=text_raw.get("num_hidden_layers"), hidden_size=text_raw.get("hidden_size"),
+                    num_layers=num_layers, hidden_size=text_raw.get("hidden_size"),
                     vocab_size=text_raw.get("vocab_size"), tokenizer_files=present,
                     tokenizer_config=tok_cfg or {}, tokenizer_size=n_tok, tokenizer_source=source,
                     tokenizer_errors=tuple(errors))
