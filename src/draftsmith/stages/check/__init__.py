@@ -22,7 +22,16 @@ from draftsmith.stages.check.signatures import (
     causes_from_doctor,
     nearest_replay,
 )
-from draftsmith.stages.check.verdict import COLLAPSE, Equality, acceptance_verdict, compare_outputs, gain_ratio
+from draftsmith.stages.check.verdict import (
+    COLLAPSE,
+    MIN_GAIN,
+    Equality,
+    acceptance_verdict,
+    compare_outputs,
+    far_above,
+    gain_ratio,
+)
+from draftsmith.stages.export.card import expected_at_k
 
 ENGINES = ("vllm", "llamacpp", "openvino", "sglang")
 
@@ -67,6 +76,7 @@ class CheckReport:
     served_tau: float | None = None
     own_tau: float | None = None
     card_tau: float | None = None
+    card_k: int | None = None  # the k the card's number is for (below ``k`` when the card holds no number for k)
     expected_from: str = ""
     verdict: str = "not run"
     findings: list[Finding] = field(default_factory=list)
@@ -80,7 +90,8 @@ class CheckReport:
 
     @property
     def exit_code(self) -> int:
-        """0: served as trained; 1: a finding (a loss, a divergence, files that are not what was trained)."""
+        """0: served as trained; 1: a finding (a loss, a divergence, files that are not what was trained, a
+        reference that accepts nothing to compare with)."""
         bad_output = self.equality is not None and bool(self.equality.divergences)
         return 0 if self.verdict == "pass" and not self.findings and not bad_output else 1
 
@@ -116,9 +127,10 @@ class CheckReport:
                  f"{self.prompts} prompts, greedy"]
         if self.served_tau is not None:
             exp = self.expected_tau
+            share = (f"; {100 * gain_ratio(self.served_tau, exp):.0f}% of its accepted drafts"
+                     if exp is not None and exp - 1.0 >= MIN_GAIN else "; it accepts ~nothing")
             lines.append(f"  served acceptance length {self.served_tau:.3f}" + (
-                f"; expected {exp:.3f} ({self.expected_from}; {100 * gain_ratio(self.served_tau, exp):.0f}% of its "
-                "accepted drafts)" if exp is not None else ""))
+                f"; expected {exp:.3f} ({self.expected_from}{share})" if exp is not None else ""))
             if self.own_tau is not None and self.card_tau is not None:
                 lines.append(f"  draftsmith's decoder on these prompts {self.own_tau:.3f}; the card (held-out "
                              f"training samples) {self.card_tau:.3f}")
@@ -137,6 +149,8 @@ class CheckReport:
         lines += [f"  note: {n}" for n in self.notes]
         word = {"pass": "served as trained", "silent collapse": "SILENT COLLAPSE", "partial loss": "PARTIAL LOSS",
                 "files differ from the card": "FILES DIFFER FROM THE CARD",
+                "cannot tell": "CANNOT TELL (the reference accepts nothing to compare with)",
+                "above the reference": "FAR ABOVE THE REFERENCE",
                 "intermittent zero acceptance": "INTERMITTENT ZERO ACCEPTANCE (the engine's)"}
         lines.append(f"verdict: {word.get(self.verdict, self.verdict)} (exit {self.exit_code})")
         return "\n".join(lines)
@@ -163,7 +177,11 @@ def run_check(opts: CheckOptions) -> CheckReport:
         report.served_tau = outcome.spec.tau
         report.served_per_prompt = list(outcome.spec.per_prompt)
         if card is not None:
-            report.card_tau = ((card.get("expected_acceptance") or {}).get("by_k") or {}).get(str(opts.k))
+            report.card_tau, report.card_k = expected_at_k(card, opts.k)
+            if report.card_tau is not None and report.card_k != opts.k:
+                report.notes.append(f"the card holds no number for k={opts.k}: its k={report.card_k} number "
+                                    f"({report.card_tau:.2f}) is the bar, a floor at k={opts.k} (a longer chain "
+                                    "accepts at least as much)")
         pair = _reference(opts, report)
         top = outcome.plain.top
         if top is None and pair is not None:  # the engine gives no log-probabilities: the target's own, in draftsmith
@@ -334,7 +352,10 @@ def _decide(opts: CheckOptions, report: CheckReport, pair, outcome: EngineOutcom
         report.verdict = "unchecked"
         report.notes.append("no reference acceptance: no card and no draftsmith decode")
         return
-    if report.verdict == "pass" and card_found and report.card_tau is not None:
+    if report.verdict == "cannot tell":
+        report.notes.append(_cannot_tell(report))
+        return
+    if report.verdict == "pass" and card_found and report.card_tau is not None and report.card_tau - 1 >= MIN_GAIN:
         report.verdict = acceptance_verdict(served, report.card_tau, "card")
     if report.verdict == "pass" and card_found:  # serves well here, but not what was trained (e.g. aux ids +1)
         report.verdict = "files differ from the card"
@@ -351,6 +372,31 @@ def _decide(opts: CheckOptions, report: CheckReport, pair, outcome: EngineOutcom
                                            f"'{label}' accepts {tau:.2f}; the engine {served:.2f}"))
     if report.verdict != "pass" and not report.findings:
         report.findings.append(Finding("unknown", f"served {served:.2f} against {report.expected_tau:.2f}"))
+    _above(report)
+
+
+def _cannot_tell(report: CheckReport) -> str:
+    """Why a reference that accepts ~nothing is no pass: any served number is 100% of nothing."""
+    what = (f"draftsmith's own decoder accepts ~nothing on these prompts ({report.own_tau:.2f})"
+            if report.expected_from == "draftsmith" else f"the card expects ~nothing ({report.card_tau:.2f})")
+    return (f"cannot tell: {what}, so a drafter that accepts nothing would pass too, and the card holds no "
+            "number above it to compare with. Check with --reference-drafter DIR (the drafter as trained, with its "
+            "eval.json), prompts like its training data, or a card from `draftsmith export`")
+
+
+def _above(report: CheckReport) -> None:
+    """A served acceptance far above the reference: flagged (the card's number for a shorter chain is only a floor
+    at this k, so it flags nothing)."""
+    served, exp = report.served_tau, report.expected_tau
+    if report.verdict != "pass" or served is None or exp is None:
+        return
+    if report.expected_from == "card" and report.card_k != report.k:
+        return
+    if far_above(served, exp, report.expected_from):
+        report.verdict = "above the reference"
+        report.findings.append(Finding("above-reference", f"served {served:.2f} against {exp:.2f} "
+                                       f"({report.expected_from}), {100 * gain_ratio(served, exp):.0f}% of its "
+                                       "accepted drafts"))
 
 
 def _zero_acceptance(report: CheckReport, outcome: EngineOutcome) -> None:

@@ -37,6 +37,8 @@ ENGINES = {"vllm": ("vllm",), "speculators": ("vllm",), "sglang": ("sglang", "vl
 CHECK_ENGINE = {"gguf": "llamacpp", "openvino": "openvino"}
 #: The acceptance the card promises is taken this far (vLLM and llama.cpp serve chains of k drafts).
 MAX_K = 8
+#: The chain length an export's serve lines use when none is given (cut to what the card holds a number for).
+DEFAULT_K = 3
 
 
 def expected_by_k(acc: Sequence[float], max_k: int = MAX_K) -> dict[str, float]:
@@ -68,6 +70,41 @@ def expected_acceptance(drafter_dir: str | Path | None) -> dict | None:
                       "trained on; teacher-forced chain, greedy)",
             "held_out": True, "step": ev.get("step"), "tokens": ev.get("tokens"),
             "per_position": [round(a, 4) for a in acc], "by_k": expected_by_k(acc)}
+
+
+def expected_at_k(card: dict, k: int) -> tuple[float | None, int | None]:
+    """The card's expected acceptance length at chain length ``k`` and the k it is for: k's own number, else that
+    of the longest chain below k it holds (a floor: acceptance never falls as k grows), else (None, None).
+
+    A demo card holds k = 1..ttt_steps while the default k may be longer; read by exact k only, such a card was
+    never consulted at the default k."""
+    held = {}
+    for key, value in ((card.get("expected_acceptance") or {}).get("by_k") or {}).items():
+        try:
+            held[int(key)] = float(value)
+        except (TypeError, ValueError):
+            continue
+    below = [n for n in held if n <= k]
+    return (held[max(below)], max(below)) if below else (None, None)
+
+
+def chain_k(requested: int | None, drafter, decoded: dict | None = None) -> int:
+    """The chain length an export's serve lines ask for: ``requested``, else the default (3) cut to what the card
+    holds a number for; a requested k past the card's numbers is refused (the card would promise nothing there,
+    and ``check`` would have nothing to hold the engine to). ``decoded``: a calibrated expectation, else the
+    drafter's eval.json gives the numbers; with neither, any k is taken."""
+    from draftsmith.core.conventions import ConventionError
+
+    exp = decoded or expected_acceptance(drafter if isinstance(drafter, (str, Path)) else None)
+    held = max((int(k) for k in (exp or {}).get("by_k") or {}), default=None)
+    if requested is None:
+        return min(DEFAULT_K, held) if held else DEFAULT_K
+    if held is not None and requested > held:
+        raise ConventionError(f"--num-speculative-tokens {requested}: the drafter's card holds its expected "
+                              f"acceptance up to k={held} (the draft positions training measured), and an export "
+                              f"does not ask for a k it has no number for; pass k <= {held}, or measure it with "
+                              "--calibrate-target DIR")
+    return requested
 
 
 def run_of(drafter_dir: str | Path | None) -> Path | None:

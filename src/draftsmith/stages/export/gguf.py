@@ -234,7 +234,7 @@ def read_drafter(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path) -> tup
 
 
 def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: str | Path, *,
-                target: str | Path, dtype: str = "bf16", num_speculative_tokens: int = 3,
+                target: str | Path, dtype: str = "bf16", num_speculative_tokens: int | None = None,
                 overwrite: bool = False, card: dict | None = None) -> GgufExportReport:
     """Write ``drafter`` as one EAGLE-3 GGUF file for llama.cpp; ``target`` is the target's GGUF (or 'smollm2').
 
@@ -245,7 +245,11 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
 
     if dtype not in GGUF_DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(GGUF_DTYPES)}")
-    check_draft_max(num_speculative_tokens, "--num-speculative-tokens")
+    from draftsmith.stages.export.card import chain_k
+
+    if num_speculative_tokens is not None:
+        check_draft_max(num_speculative_tokens, "--num-speculative-tokens")
+    num_speculative_tokens = chain_k(num_speculative_tokens, drafter, (card or {}).get("decoded"))
     ckpt, switches = read_drafter(drafter)
     tgt = read_target_gguf(target)
     ids = check_servable(ckpt, switches, tgt)

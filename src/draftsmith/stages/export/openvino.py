@@ -124,7 +124,7 @@ def openvino_target(target: str | Path, weight_format: str = "fp32", *, python: 
 def export_openvino(drafter, out: str | Path, *, target: str | Path, weight_format: str = "fp32",
                     overwrite: bool = False, python: str | Path | None = None,
                     with_target: bool = False, card: dict | None = None,
-                    num_speculative_tokens: int = 3) -> OpenVinoExportReport:
+                    num_speculative_tokens: int | None = None) -> OpenVinoExportReport:
     """Write ``drafter`` (object or directory) as GenAI's draft IR into ``out``; ``target``: HF folder or smollm2.
     The model card (README.md + drafter_card.json; ``card``: its extra facts) is written into the folder before it
     is swapped in, so the IR never sits under another export's card."""
@@ -133,6 +133,9 @@ def export_openvino(drafter, out: str | Path, *, target: str | Path, weight_form
 
     if weight_format not in WEIGHT_FORMATS:
         raise UsageError(f"--openvino-weights {weight_format}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    from draftsmith.stages.export.card import chain_k
+
+    num_speculative_tokens = chain_k(num_speculative_tokens, drafter, (card or {}).get("decoded"))
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out}: not empty; pass --force to replace it")

@@ -82,7 +82,7 @@ def export_drafter(
     embeddings: torch.Tensor | None = None,
     verifier: str | None = None,
     verifier_architectures: list[str] | None = None,
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int | None = None,
     overwrite: bool = False,
     card: dict | None = None,
 ) -> ExportReport:
@@ -92,7 +92,13 @@ def export_drafter(
     drafter shares the target's (engines otherwise share it themselves). A drafter with its own embedding
     (another width than the target's) always carries it: engines could not share the target's.
     ``card``: extra facts for the model card (``card_facts``' keywords: license, bench_reports, repo_id, base_model).
+    ``num_speculative_tokens``: default 3, or less where the card holds numbers only that far (``card.chain_k``).
     """
+    from draftsmith.stages.export.card import chain_k
+
+    if num_speculative_tokens is not None:
+        _check_options(fmt, dtype, num_speculative_tokens)
+    num_speculative_tokens = chain_k(num_speculative_tokens, drafter, (card or {}).get("decoded"))
     _check_options(fmt, dtype, num_speculative_tokens)
     ckpt, out = _setup_checkpoint(drafter, out)
     notes = _setup_notes(ckpt, fmt, verifier)

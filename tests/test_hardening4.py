@@ -1,0 +1,130 @@
+"""Issue 58 (hardening, round four): ``check`` never passes a drafter that accepts nothing, a user's README.md
+survives export and ``check --record``, doctor reads a truncated safetensors, block sizes are bounded everywhere,
+``check`` leaves no engine server or temporary export behind, and its exit codes tell bad arguments from findings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from conftest import tiny_target
+
+from draftsmith.cli import main
+from draftsmith.stages import check as check_mod
+from draftsmith.stages.check import CheckOptions, run_check
+from draftsmith.stages.check.engines import EngineOutcome, Served
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+def _one_error(capsys, *needles: str) -> str:
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "error:" in err[0], err
+    for n in needles:
+        assert n in err[0], err
+    return err[0]
+
+
+def _eagle_run(tmp_path: Path, acc=(0.8, 0.6)) -> Path:
+    """A run directory as train leaves it, with ``len(acc)`` held-out draft positions (a demo run has 2)."""
+    from draftsmith.core import vocab as vocab_mod
+    from draftsmith.model.drafter import new_drafter
+
+    target = tiny_target("llama", torch.float32)
+    dv = vocab_mod.from_target_ids(torch.arange(10, 210, 2), target.vocab_size)
+    run = tmp_path / "run"
+    new_drafter(target, draft_vocab=dv).save(run / "best")
+    (run / "best" / "eval.json").write_text(json.dumps({"step": 40, "acc": list(acc), "tokens": 900}))
+    (run / "config.json").write_text(json.dumps({"target": "smollm2", "store": "s", "ttt_steps": len(acc),
+                                                 "eval_fraction": 0.1}))
+    return run
+
+
+# --- 1: check passes a drafter that accepts nothing -----------------------------------------------------------
+def _stub_check(monkeypatch, tmp_path, *, served: float, own: float | None, card: dict | None, k: int = 3):
+    """run_check with the engine and draftsmith's decoder stood in by fixed acceptance lengths."""
+    drafter = tmp_path / "drafter"
+    drafter.mkdir(exist_ok=True)
+    if card is not None:
+        (drafter / "drafter_card.json").write_text(json.dumps({"schema": "draftsmith-card/1", **card}))
+    passes = 100
+    spec = Served("speculative", token_ids=[[1, 2, 3]], passes=passes, accepted=round((served - 1) * passes))
+    outcome = EngineOutcome("stand-in", "0", Served("plain", token_ids=[[1, 2, 3]]), spec)
+
+    def reference(opts, report):
+        if own is None:
+            return None
+        report.own_tau = own
+        return None
+
+    monkeypatch.setattr(check_mod, "_engine_files", lambda opts, tmp: drafter)
+    monkeypatch.setattr(check_mod, "_doctor", lambda opts, served, report: True)
+    monkeypatch.setattr(check_mod, "_card_findings", lambda *a: None)
+    monkeypatch.setattr(check_mod, "_run_engine", lambda opts, served: outcome)
+    monkeypatch.setattr(check_mod, "_reference", reference)
+    return run_check(CheckOptions(engine="vllm", target="t", drafter=str(drafter), prompts=[[5, 6]], k=k,
+                                  replay=False))
+
+
+def test_a_reference_that_accepts_nothing_is_cannot_tell_not_a_pass(monkeypatch, tmp_path):
+    r = _stub_check(monkeypatch, tmp_path, served=1.0, own=1.0, card=None)
+    assert r.verdict == "cannot tell" and r.exit_code == 1, r.summary()
+    assert any("cannot tell" in n and "accepts ~nothing" in n for n in r.notes), r.notes
+    assert "CANNOT TELL" in r.summary() and "100%" not in r.summary()
+    r = _stub_check(monkeypatch, tmp_path, served=1.0, own=None, card={"expected_acceptance": {"by_k": {"3": 1.0}}})
+    assert r.verdict == "cannot tell" and r.exit_code == 1, r.summary()
+
+
+def test_the_card_is_read_at_the_longest_chain_it_holds_below_k(monkeypatch, tmp_path):
+    """A demo card holds k = 1, 2; the default k is 3: the card's k=2 number is the bar (a floor at k=3), so the
+    collapsed drafter fails against it even where draftsmith's decode collapses too."""
+    card = {"expected_acceptance": {"by_k": {"1": 1.5, "2": 1.68}}, "num_speculative_tokens": 3}
+    r = _stub_check(monkeypatch, tmp_path, served=1.0, own=1.0, card=card)
+    assert (r.card_tau, r.card_k) == (1.68, 2)
+    assert r.verdict == "silent collapse" and r.exit_code == 1, r.summary()
+    assert any("no number for k=3" in n for n in r.notes), r.notes
+    r = _stub_check(monkeypatch, tmp_path, served=1.0, own=None, card=card)  # no draftsmith decode: the card alone
+    assert r.expected_from == "card" and r.verdict == "silent collapse" and r.exit_code == 1, r.summary()
+    r = _stub_check(monkeypatch, tmp_path, served=1.9, own=None, card=card)  # a floor: above it passes
+    assert r.verdict == "pass" and r.exit_code == 0, r.summary()
+
+
+def test_a_served_acceptance_far_above_the_reference_is_flagged(monkeypatch, tmp_path):
+    card = {"expected_acceptance": {"by_k": {"1": 1.5, "2": 1.68, "3": 1.8}}}
+    r = _stub_check(monkeypatch, tmp_path, served=2.5, own=1.68, card=None)  # the issue's 219%
+    assert r.verdict == "above the reference" and r.exit_code == 1, r.summary()
+    assert [f.cause for f in r.findings] == ["above-reference"]
+    r = _stub_check(monkeypatch, tmp_path, served=2.5, own=None, card=card)
+    assert r.verdict == "above the reference" and r.exit_code == 1, r.summary()
+    r = _stub_check(monkeypatch, tmp_path, served=1.72, own=1.68, card=None)  # within reach: a pass
+    assert r.verdict == "pass" and r.exit_code == 0, r.summary()
+
+
+def test_serve_check_reads_the_card_below_k_too(tmp_path):
+    from draftsmith.app.serve_check import card_expectation
+
+    (tmp_path / "drafter_card.json").write_text(json.dumps({"schema": "draftsmith-card/1", "expected_acceptance": {
+        "by_k": {"1": 1.5, "2": 1.68}}}))
+    assert card_expectation(tmp_path, 3) == 1.68 and card_expectation(tmp_path, 1) == 1.5
+
+
+def test_export_asks_for_no_k_its_card_has_no_number_for(tmp_path, capsys):
+    from draftsmith.stages.export.card import read_card
+
+    run = _eagle_run(tmp_path)  # held-out numbers for k = 1, 2
+    out = tmp_path / "vllm"
+    assert _run(["export", "--drafter", str(run / "best"), "--format", "vllm", "--out", str(out)]) == 0
+    card = read_card(out)
+    assert card["num_speculative_tokens"] == 2 and set(card["expected_acceptance"]["by_k"]) == {"1", "2"}
+    assert '"num_speculative_tokens": 2' in card["usage"]["vllm"]
+    capsys.readouterr()
+    assert _run(["export", "--drafter", str(run / "best"), "--format", "speculators", "--out", str(tmp_path / "s"),
+                 "--num-speculative-tokens", "3"]) == 2
+    _one_error(capsys, "--num-speculative-tokens 3", "k=2")
+    assert not (tmp_path / "s").exists()
