@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import tiny_target
 
@@ -128,3 +129,77 @@ def test_export_asks_for_no_k_its_card_has_no_number_for(tmp_path, capsys):
                  "--num-speculative-tokens", "3"]) == 2
     _one_error(capsys, "--num-speculative-tokens 3", "k=2")
     assert not (tmp_path / "s").exists()
+
+
+# --- 2: the user's README.md is lost --------------------------------------------------------------------------
+def _check_record(engine="llamacpp", k=2) -> dict:
+    return {"engine": engine, "version": "1.0", "k": k, "prompts": 4, "prompt_source": "mt-bench",
+            "served_tau": 1.6, "expected_tau": 1.62, "expected_from": "draftsmith", "draftsmith_tau": 1.62,
+            "date": "2026-12-07"}
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_export_force_keeps_a_users_readme(tmp_path, fmt):
+    from draftsmith.stages.export import export_drafter
+
+    run = _eagle_run(tmp_path)
+    out = tmp_path / "card"
+    export_drafter(run / "best", out, fmt, dtype="fp32")
+    (out / "README.md").write_text("# my own model card\n")
+    export_drafter(run / "best", out, fmt, dtype="fp32", overwrite=True)
+    assert (out / "README.md").read_text() == "# my own model card\n"
+    assert json.loads((out / "drafter_card.json").read_text())["format"] == fmt
+
+
+def test_sections_a_user_added_survive_record_and_export_force(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from draftsmith.stages.export import export_drafter
+    from draftsmith.stages.export.card import CARD_BEGIN, CARD_END, read_card, record_check
+
+    run = _eagle_run(tmp_path)
+    out = tmp_path / "card"
+    export_drafter(run / "best", out, "vllm", dtype="fp32", card={"license": "mit"})
+    text = (out / "README.md").read_text()
+    assert text.count(CARD_BEGIN) == text.count(CARD_END) == 1
+    head, rest = text.split(CARD_BEGIN)
+    extended = head + "Intro of my own.\n\n" + CARD_BEGIN + rest + "\n## Evaluation (mine)\n\nMy numbers.\n"
+    (out / "README.md").write_text(extended)
+    record_check(out, _check_record())
+    text = (out / "README.md").read_text()
+    assert "## Checked in engines" in text and "| llamacpp | 1.0 | 2 |" in text
+    assert "Intro of my own." in text and text.endswith("## Evaluation (mine)\n\nMy numbers.\n")
+    assert read_card(out)["checks"][0]["engine"] == "llamacpp"
+    export_drafter(run / "best", out, "vllm", dtype="fp32", overwrite=True, card={"license": "apache-2.0"})
+    text = (out / "README.md").read_text()
+    assert "Intro of my own." in text and "## Evaluation (mine)" in text
+    assert ModelCard.load(out / "README.md").data.license == "apache-2.0"  # the front matter was still ours
+    assert "## Checked in engines" not in text  # a new export's card starts without the old one's checks
+
+
+def test_a_readme_rewritten_by_the_user_is_kept_by_record(tmp_path):
+    from draftsmith.stages.export import export_drafter
+    from draftsmith.stages.export.card import CARD_BEGIN, CARD_END, record_check
+
+    run = _eagle_run(tmp_path)
+    out = tmp_path / "card"
+    export_drafter(run / "best", out, "vllm", dtype="fp32")
+    # the user kept the card's words but dropped the markers: theirs now (made with draftsmith, Machine-readable)
+    text = (out / "README.md").read_text().replace(CARD_BEGIN + "\n", "").replace(CARD_END + "\n", "")
+    mine = text + "\n## My section\n"
+    (out / "README.md").write_text(mine)
+    record_check(out, _check_record())
+    assert (out / "README.md").read_text() == mine
+
+
+def test_a_card_readme_from_before_the_markers_is_still_the_cards(tmp_path):
+    from draftsmith.stages.export import export_drafter
+    from draftsmith.stages.export.card import CARD_BEGIN, CARD_END, read_card, updated_readme
+
+    run = _eagle_run(tmp_path)
+    export_drafter(run / "best", tmp_path / "c", "vllm", dtype="fp32")
+    facts = read_card(tmp_path / "c")
+    legacy = (tmp_path / "c" / "README.md").read_text().replace(CARD_BEGIN + "\n", "").replace(CARD_END + "\n", "")
+    new = updated_readme(legacy, facts, facts | {"license": "mit"})
+    assert new is not None and CARD_BEGIN in new and "license: mit" in new
+    assert updated_readme(legacy + "extra\n", facts, facts) is None

@@ -121,7 +121,7 @@ def block_gguf_tensors(ckpt: BlockCheckpoint) -> dict[str, torch.Tensor]:
 def export_block_gguf(ckpt: BlockCheckpoint, out: str | Path, *, target: str | Path, dtype: str = "bf16",
                       overwrite: bool = False, card: dict | None = None) -> BlockGgufReport:
     """Write ``ckpt`` as one ``dflash`` GGUF; ``target`` is the target's GGUF (its tokenizer goes into the draft).
-    The model card goes beside it, unless that folder holds a README.md that is not a draftsmith card."""
+    The model card goes beside it; a README.md of the user's there is kept (``card.updated_readme``)."""
     from gguf import GGUFWriter
 
     if dtype not in GGUF_DTYPES:
@@ -181,11 +181,9 @@ def _write_keys(w, ckpt: BlockCheckpoint) -> None:
 
 def _write_card(ckpt: BlockCheckpoint, out: Path, target, target_gguf: str, card: dict | None) -> None:
     from draftsmith.stages.export.block import _card_facts
-    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, write_card
+    from draftsmith.stages.export.card import write_card
 
     folder = out.parent
-    if (folder / CARD_FILE).exists() and not (folder / CARD_JSON).exists():
-        return  # the user's README
     extra = dict(card or {})
     if not extra.get("base_model") and str(target) == "smollm2":
         from draftsmith.stages.export.card import base_model_of

@@ -238,8 +238,8 @@ def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: st
                 overwrite: bool = False, card: dict | None = None) -> GgufExportReport:
     """Write ``drafter`` as one EAGLE-3 GGUF file for llama.cpp; ``target`` is the target's GGUF (or 'smollm2').
 
-    The model card (README.md + drafter_card.json, ``card``: its extra facts) goes beside the file, unless that
-    folder already holds a README.md that is not a draftsmith card (a .gguf written into a folder of the user's).
+    The model card (drafter_card.json and README.md, ``card``: its extra facts) goes beside the file; a README.md
+    of the user's there is kept (``card.updated_readme``).
     """
     from gguf import GGUFWriter
 
@@ -333,11 +333,9 @@ def _gguf_arch(path: Path) -> str | None:
 
 def _write_card(out: Path, ckpt: DrafterCheckpoint, drafter, target: str | Path, tgt: TargetGguf, k: int,
                 card: dict | None) -> None:
-    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, base_model_of, card_facts, write_card
+    from draftsmith.stages.export.card import base_model_of, card_facts, write_card
 
     folder = out.parent
-    if (folder / CARD_FILE).exists() and not (folder / CARD_JSON).exists():
-        return
     extra = dict(card or {})
     base = extra.pop("base_model", None) or base_model_of(target if str(target) == "smollm2" else None)
     source = drafter if isinstance(drafter, (str, Path)) else None

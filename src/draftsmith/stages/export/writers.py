@@ -395,14 +395,11 @@ def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: di
         atomic_write(staging / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
         atomic_write(staging / "config.json", (json.dumps(config, indent=2) + "\n").encode())
         atomic_write(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
-        if card is not None:
-            write_card(staging, card)
+        if card is not None:  # README.md: the card's part replaced, a user's sections (or README) kept
+            write_card(staging, card, beside=out if out.is_dir() else None)
         if out.is_dir():
-            # A README.md that no export wrote is the user's: kept (the card's facts are in drafter_card.json).
-            users_readme = (out / CARD_FILE).exists() and not (out / CARD_JSON).exists()
-            if users_readme and card is not None:
-                (staging / CARD_FILE).unlink()
-            carry_over(out, staging, skip=ours | {CARD_JSON} | (set() if users_readme else {CARD_FILE}))
+            written = {CARD_FILE} if (staging / CARD_FILE).exists() else set()
+            carry_over(out, staging, skip=ours | {CARD_JSON} | written)
         replace_dir(staging, out)
     finally:
         if staging.exists():
