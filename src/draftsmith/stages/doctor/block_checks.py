@@ -109,6 +109,16 @@ def check_block_drafter(out: Findings, engine: str, t: TargetShape, drafter: Pat
             out.add(f.id, f.severity, f.message, ev, f.fix, engine_fact=True)
 
 
+def check_block_weights(out: Findings, drafter: Path) -> None:
+    """The weights' headers against the file sizes: a truncated model.safetensors fails at load in every engine
+    (the config-only checks above cannot see it). A folder without weights (a metadata-only download) says nothing."""
+    from draftsmith.core.tensorfile import damaged_files
+
+    if bad := damaged_files(drafter):
+        out.add("block.weights", "error", f"the drafter's weights cannot be loaded: {'; '.join(bad[:3])}",
+                str(drafter), "copy the drafter again, or re-export it (a download or copy was cut short)")
+
+
 def _check_layers(out: Findings, t: TargetShape, ids: list[int] | None, evidence: str, ev: str,
                   engine: str) -> None:
     if ids is None:
