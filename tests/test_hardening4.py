@@ -257,3 +257,54 @@ def test_doctor_catches_a_truncated_safetensors(tmp_path, stated_vllm, kind, eng
     r = diagnose(target, drafter, engine=engine, engine_version="0.32")
     assert finding in r.ids("error") and r.blocking, r.summary()
     assert "truncated" in next(f.message for f in r.findings if f.id == finding)
+
+
+# --- 4: a block size train refuses is exported and passed by doctor ---------------------------------------------
+def _native_dspark(tmp_path: Path, block_size: int) -> Path:
+    """A DSpark drafter in draftsmith's own layout (as train saves it), its config.json edited to ``block_size``."""
+    from draftsmith.stages.export.block_kind import drafter_from_checkpoint
+    from draftsmith.testing.blocks import random_block_checkpoint, tiny_spec
+
+    d = tmp_path / f"ds{block_size}"
+    drafter_from_checkpoint(random_block_checkpoint(tiny_spec("dspark"))).save(d)
+    text = (d / "config.json").read_text()
+    assert '"block_size": 4' in text
+    (d / "config.json").write_text(text.replace('"block_size": 4', f'"block_size": {block_size}'))
+    return d
+
+
+@pytest.mark.parametrize("block_size", [0, 1, 65, 100000])
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "gguf"])
+def test_export_refuses_a_block_size_train_refuses(tmp_path, capsys, block_size, fmt):
+    d = _native_dspark(tmp_path, block_size)
+    out = tmp_path / ("o.gguf" if fmt == "gguf" else "o")
+    argv = ["export", "--drafter", str(d), "--format", fmt, "--out", str(out)]
+    assert _run(argv + (["--target", str(tmp_path / "t.gguf")] if fmt == "gguf" else [])) == 2
+    _one_error(capsys, f"block_size {block_size}", "2..64")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "draftsmith"])
+def test_doctor_refuses_a_block_size_outside_2_to_64(tmp_path, stated_vllm, engine):
+    import shutil
+
+    from draftsmith.stages.doctor import diagnose
+
+    target = Path(shutil.copytree(FIXTURES / "llama", tmp_path / "target"))
+    drafter = _dspark_export(tmp_path)
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert "block.size" not in diagnose(target, drafter, engine=engine, engine_version="0.32").ids("error")
+    for size in (0, 100000):
+        (drafter / "config.json").write_text(json.dumps(cfg | {"block_size": size}))
+        r = diagnose(target, drafter, engine=engine, engine_version="0.32")
+        assert "block.size" in r.ids("error"), r.summary()
+        assert "2..64" in next(f.message for f in r.findings if f.id == "block.size" and f.severity == "error")
+
+
+# --- 6: train --kind dspark --markov-rank is unbounded ------------------------------------------------------------
+def test_markov_rank_is_bounded(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _run(["train", "--kind", "dspark", "--store", str(tmp_path / "store"), "--markov-rank", "100000000",
+                 "--out", str(out)]) == 2
+    _one_error(capsys, "--markov-rank", "4096")
+    assert not out.exists()

@@ -89,10 +89,14 @@ def check_block_drafter(out: Findings, engine: str, t: TargetShape, drafter: Pat
                      draft_vocab_size=raw.get("draft_vocab_size") or q.get("vocab_size"))
     ev = f"{drafter}/config.json"
     out.add("block.layout", "info", f"a {kind} drafter in {layout}'s layout, blocks {slot.replace('_', '-')}"
-            + (f", {bf.drafts_per_block(int(block), slot)} drafts per block of {block}" if block else ""),
+            + (f", {bf.drafts_per_block(block, slot)} drafts per block of {block}"
+               if isinstance(block, int) and block > 0 else ""),
             f"{ev}: {ids_evidence}")
     if block is None:
         out.add("block.size", "error", "the config gives no block_size", ev, "add block_size to config.json")
+    elif problem := bf.block_size_problem(block):
+        out.add("block.size", "error", problem, f"{ev}: block_size = {block!r}", "retrain, or correct config.json")
+        block = None  # the engine facts below read a usable size only
     _check_layers(out, t, ids, ids_evidence, ev, engine)
     _check_mask(out, t, mask, raw, kind, engine, ev)
     if engine == "llamacpp":
@@ -183,6 +187,8 @@ def check_block_gguf(out: Findings, t: TargetShape, target_hidden: int | None, p
     out.facts.update(block_kind=kind, block_layout="gguf", block_slot=slot, block_layer_ids=ids,
                      block_size=f.get("dflash.block_size"), mask_token_id=f.get("tokenizer.ggml.mask_token_id"),
                      drafter_format=f"{kind} gguf", aux_layer_ids=ids)
+    if f.get("dflash.block_size") is not None and (problem := bf.block_size_problem(f["dflash.block_size"])):
+        out.add("block.size", "error", problem, f"{path}: dflash.block_size", "export with draftsmith export")
     if not ids:
         out.add("block.layers", "error", "no dflash.target_layers: llama.cpp refuses the drafter (\"DFlash model "
                 "requires 'target_layers' in GGUF metadata\")", ev, "export with draftsmith export --format gguf")

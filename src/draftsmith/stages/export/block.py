@@ -68,6 +68,8 @@ class BlockSpec:
         if self.kind not in bf.KINDS:
             raise ExportError(f"unknown block drafter kind {self.kind!r}; one of {', '.join(bf.KINDS)}")
         bf.check_slot(self.slot)
+        if problem := bf.block_size_problem(self.block_size):
+            raise ExportError(f"{problem}; retrain, or correct the drafter's config.json")
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
         if self.kind == "dspark" and self.markov_rank > 0 and self.markov_head_type not in bf.MARKOV_TYPES:
             raise ExportError(f"unknown Markov head type {self.markov_head_type!r}; one of {bf.MARKOV_TYPES}")
