@@ -308,3 +308,94 @@ def test_markov_rank_is_bounded(tmp_path, capsys):
                  "--out", str(out)]) == 2
     _one_error(capsys, "--markov-rank", "4096")
     assert not out.exists()
+
+
+# --- 5: SIGTERM / kill -9 of check orphans its engine server and leaves its temporary export ---------------------
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """A tiny chat target directory, a draftsmith drafter for it and a prompts file."""
+    from conftest import save_tiny_chat_model
+
+    from draftsmith.model.drafter import new_drafter
+    from draftsmith.model.target import load_target
+
+    root = tmp_path_factory.mktemp("chat")
+    save_tiny_chat_model(root / "target")
+    new_drafter(load_target(str(root / "target"), dtype=torch.float32, pack=False)).save(root / "drafter")
+    (root / "prompts.jsonl").write_text(json.dumps({"id": "a", "messages": [
+        {"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "on a mat"}]}) + "\n")
+    return root
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has died; only its parent has not reaped it yet
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait(cond, seconds: float = 60.0) -> bool:
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_killed_check_leaves_no_server_and_no_export(chat_pair, tmp_path, monkeypatch, sig):
+    """check's own process alone is signalled (a group-wide signal, as `timeout` sends, hid this): the stand-in
+    SGLang server (stuck loading) stops, and the temporary export is removed at once (SIGTERM) or at the next
+    check's start (kill -9, which runs no cleanup)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from draftsmith.core.io import process_temp_dir
+    from draftsmith.testing.fake_sglang import write_fake_sglang
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    py = write_fake_sglang(tmp_path / "env")
+    log = tmp_path / "launches.jsonl"
+    (tmp_path / "fake.json").write_text(json.dumps({"outputs": {}, "verify_per_token": 0.5, "hang": True,
+                                                    "log": str(log)}))
+    env = {**os.environ, "FAKE_SGLANG": str(tmp_path / "fake.json"), "TMPDIR": str(tmp),
+           "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli", "check", "--engine", "sglang", "--target",
+                             str(chat_pair / "target"), "--drafter", str(chat_pair / "drafter"), "--sglang-python",
+                             str(py), "--prompts", str(chat_pair / "prompts.jsonl"), "--limit", "1"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = Path(str(log) + ".pids")
+    server = None
+    try:
+        assert _wait(lambda: pids.is_file() and pids.read_text().strip()), proc.communicate(timeout=5)
+        server = int(pids.read_text().split()[0])
+        exports = list(tmp.glob("draftsmith-check-*"))
+        assert len(exports) == 1 and any(exports[0].rglob("model.safetensors"))
+        proc.send_signal(getattr(signal, sig))
+        proc.communicate(timeout=60)
+        assert _wait(lambda: not _alive(server), 30), f"the engine server {server} outlived check ({sig})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if server is not None and _alive(server):  # a failed run leaves nothing running either
+            os.kill(server, signal.SIGKILL)
+    if sig == "SIGTERM":
+        assert proc.returncode == 143 and not exports[0].exists()
+    else:
+        assert exports[0].exists()  # nothing runs on a kill -9: the next check's start removes it
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        with process_temp_dir("draftsmith-check-"):
+            assert not exports[0].exists()

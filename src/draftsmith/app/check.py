@@ -13,6 +13,7 @@ from pathlib import Path
 
 from draftsmith.app.args import add_json_arg
 from draftsmith.core.errors import UsageError
+from draftsmith.core.processes import sigterm_as_exit
 
 DEFAULT_PROMPTS, DEFAULT_LIMIT, DEFAULT_NEW_TOKENS = "mt-bench", 8, 64
 
@@ -134,11 +135,12 @@ def check_command(args) -> int:
         check_executable(args.sglang_python, flag="--sglang-python")
     prompts = check_prompts(_tokenizer(args.engine, args.target), args.prompts, args.limit)
     try:
-        report = run_check(CheckOptions(
-            engine=args.engine, target=target, drafter=args.drafter, prompts=prompts, prompt_source=args.prompts,
-            k=k, max_new_tokens=args.max_new_tokens, draftsmith_target=args.draftsmith_target,
-            reference_drafter=args.reference_drafter, vllm_python=python, threads=args.threads, force=args.force,
-            replay=args.replay, openvino_python=ov_python, sglang_python=args.sglang_python))
+        with sigterm_as_exit():  # a SIGTERM stops the engine's server and removes the temporary export
+            report = run_check(CheckOptions(
+                engine=args.engine, target=target, drafter=args.drafter, prompts=prompts, prompt_source=args.prompts,
+                k=k, max_new_tokens=args.max_new_tokens, draftsmith_target=args.draftsmith_target,
+                reference_drafter=args.reference_drafter, vllm_python=python, threads=args.threads, force=args.force,
+                replay=args.replay, openvino_python=ov_python, sglang_python=args.sglang_python))
     except (RuntimeError, ValueError) as e:  # the engine's process failed, or options it cannot use (OpenVinoError)
         raise UsageError(f"check: {' '.join(str(e).split())[:400]}") from None
     if report.doctor and not args.json:

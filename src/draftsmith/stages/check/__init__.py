@@ -10,10 +10,10 @@ card's held-out number); the verdict; on a loss, the faulty readings are replaye
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.core.io import process_temp_dir
 from draftsmith.stages.check.engines import EngineOutcome, run_llamacpp, run_openvino, run_sglang, run_vllm
 from draftsmith.stages.check.signatures import (
     CAUSES,
@@ -161,8 +161,9 @@ def run_check(opts: CheckOptions) -> CheckReport:
     if opts.engine not in ENGINES:
         raise ValueError(f"unknown engine {opts.engine!r}; choose one of {', '.join(ENGINES)}")
     report = CheckReport(engine=opts.engine, prompts=len(opts.prompts), k=opts.k)
-    with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as tmp:
-        served = _engine_files(opts, Path(tmp))
+    # named after this process: the one a kill -9 left is removed at the next start (SIGTERM: sigterm_as_exit)
+    with process_temp_dir("draftsmith-check-") as tmp:
+        served = _engine_files(opts, tmp)
         if not _doctor(opts, served, report) and not opts.force:  # doctor reads what the engine will load
             report.verdict = "refused by doctor"
             return report
