@@ -399,3 +399,54 @@ def test_a_killed_check_leaves_no_server_and_no_export(chat_pair, tmp_path, monk
         monkeypatch.setattr(tempfile, "tempdir", str(tmp))
         with process_temp_dir("draftsmith-check-"):
             assert not exports[0].exists()
+
+
+# --- 7: check exits 1 (the collapse code) for unusable arguments and a broken engine environment ---------------
+def test_check_refuses_a_target_that_is_no_gguf_in_one_line(chat_pair, tmp_path, capsys):
+    args = ["check", "--engine", "llamacpp", "--drafter", str(chat_pair / "drafter"), "--prompts",
+            str(chat_pair / "prompts.jsonl"), "--limit", "1"]
+    assert _run([*args, "--target", str(tmp_path / "nope.gguf")]) == 2
+    _one_error(capsys, "nope.gguf", "no such file")
+    (tmp_path / "notes.txt").write_text("not a model\n" * 10)
+    assert _run([*args, "--target", str(tmp_path / "notes.txt")]) == 2
+    _one_error(capsys, "notes.txt", "not a GGUF")
+
+
+def test_check_target_without_a_tokenizer_is_one_line(chat_pair, tmp_path, capsys):
+    from draftsmith.testing.fake_sglang import write_fake_sglang
+
+    py = write_fake_sglang(tmp_path / "env")
+    assert _run(["check", "--engine", "sglang", "--target", str(tmp_path / "nope"), "--drafter",
+                 str(chat_pair / "drafter"), "--sglang-python", str(py), "--limit", "1"]) == 2
+    _one_error(capsys, "--target", "no tokenizer")
+
+
+def test_check_with_a_broken_engine_environment_blames_the_environment(chat_pair, capsys):
+    code = _run(["check", "--engine", "sglang", "--target", str(chat_pair / "target"), "--drafter",
+                 str(chat_pair / "drafter"), "--sglang-python", "/bin/false", "--prompts",
+                 str(chat_pair / "prompts.jsonl"), "--limit", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(line) == 1 and "without a drafter" in line[0] and "--sglang-python" in line[0], err
+
+
+def test_check_num_speculative_tokens_and_max_new_tokens_are_bounded(chat_pair, capsys):
+    args = ["check", "--engine", "llamacpp", "--target", "smollm2", "--drafter", str(chat_pair / "drafter"),
+            "--prompts", str(chat_pair / "prompts.jsonl"), "--limit", "1"]
+    for flag, value in (("--num-speculative-tokens", "0"), ("--num-speculative-tokens", "65"),
+                        ("--max-new-tokens", "100000")):
+        assert _run([*args, flag, value]) == 2
+        _one_error(capsys, flag)
+
+
+def test_check_resolves_a_relative_engine_python_where_it_was_typed(tmp_path, monkeypatch):
+    import argparse
+
+    from draftsmith.app.check import _engine_pythons
+
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(vllm_python=".venv-vllm/bin/python", sglang_python="python3", openvino_python=None)
+    _engine_pythons(args)
+    assert args.vllm_python == str(tmp_path / ".venv-vllm" / "bin" / "python")
+    assert args.sglang_python == "python3" and args.openvino_python is None

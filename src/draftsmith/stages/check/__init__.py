@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import process_temp_dir
 from draftsmith.stages.check.engines import EngineOutcome, run_llamacpp, run_openvino, run_sglang, run_vllm
 from draftsmith.stages.check.signatures import (
@@ -34,6 +35,11 @@ from draftsmith.stages.check.verdict import (
 from draftsmith.stages.export.card import expected_at_k
 
 ENGINES = ("vllm", "llamacpp", "openvino", "sglang")
+
+
+class EngineUnusable(DraftsmithError, RuntimeError):
+    """The engine failed without the drafter too (its environment, its install, the target): not a finding about
+    the drafter, so no exit 1."""
 
 
 @dataclass
@@ -171,9 +177,13 @@ def run_check(opts: CheckOptions) -> CheckReport:
         _card_findings(opts, served, card, report)
         outcome = _run_engine(opts, served)
         report.engine_version = outcome.version
-        if outcome.spec.error or outcome.plain.error:
+        if outcome.plain.error:  # no drafter in that run: the engine, its environment or the target failed
+            raise EngineUnusable(f"{opts.engine} could not decode without a drafter either, so the drafter is not "
+                                 f"what failed: {' '.join(outcome.plain.error.split())[:300]} (check the engine's "
+                                 "environment, e.g. --sglang-python / --vllm-python, and the target)")
+        if outcome.spec.error:
             report.verdict = "engine refused"
-            report.notes.append(f"{opts.engine}: {outcome.spec.error or outcome.plain.error}")
+            report.notes.append(f"{opts.engine}: {outcome.spec.error}")
             return report
         report.served_tau = outcome.spec.tau
         report.served_per_prompt = list(outcome.spec.per_prompt)
