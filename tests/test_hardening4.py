@@ -450,3 +450,22 @@ def test_check_resolves_a_relative_engine_python_where_it_was_typed(tmp_path, mo
     _engine_pythons(args)
     assert args.vllm_python == str(tmp_path / ".venv-vllm" / "bin" / "python")
     assert args.sglang_python == "python3" and args.openvino_python is None
+
+
+# --- also found ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["DRAFTSMITH_COMPILE", "DRAFTSMITH_DENORMALS"])
+@pytest.mark.parametrize("value", ["false", "off", "2", " 0"])
+def test_environment_switches_take_0_or_1(monkeypatch, capsys, name, value):
+    monkeypatch.setenv(name, value)
+    assert _run(["doctor", "--target", "nope"]) == 2
+    _one_error(capsys, name, "0 or 1")
+
+
+@pytest.mark.parametrize("repo", ["", "not a repo", "org/name@main"])
+def test_a_bad_push_to_hub_id_is_refused_before_the_export_is_written(tmp_path, capsys, repo):
+    run = _eagle_run(tmp_path)
+    out = tmp_path / "o"
+    assert _run(["export", "--drafter", str(run / "best"), "--format", "vllm", "--out", str(out),
+                 f"--push-to-hub={repo}"]) == 2
+    _one_error(capsys, "--push-to-hub")
+    assert not out.exists()

@@ -381,6 +381,10 @@ def export(args) -> int:
 
     if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         raise UsageError("--num-speculative-tokens must be >= 1")
+    if args.push_to_hub is not None:  # before anything is written: the id goes into the card's serve lines
+        from draftsmith.stages.export.publish import hub_repo
+
+        hub_repo(args.push_to_hub)
     if _is_block_dir(args.drafter):  # DFlash / DSpark: the block kinds' writers
         return _export_block(args)
     if args.format == "gguf":
@@ -435,7 +439,7 @@ def _decoded_expectation(target_path: str, drafter_dir: str, k: int | None) -> d
 
 
 def _push(args, folder: Path) -> int:
-    if not args.push_to_hub:
+    if args.push_to_hub is None:
         return 0
     from draftsmith.stages.export.publish import push_to_hub
 
