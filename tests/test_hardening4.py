@@ -469,3 +469,20 @@ def test_a_bad_push_to_hub_id_is_refused_before_the_export_is_written(tmp_path, 
                  f"--push-to-hub={repo}"]) == 2
     _one_error(capsys, "--push-to-hub")
     assert not out.exists()
+
+
+def test_a_card_carries_no_absolute_local_path(tmp_path, monkeypatch):
+    from draftsmith.stages.export import export_drafter
+    from draftsmith.stages.export.card import read_card
+
+    run = _eagle_run(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    export_drafter(run / "best", tmp_path / "outside", "sglang", dtype="fp32")
+    usage = json.dumps(read_card(tmp_path / "outside")["usage"])
+    assert str(tmp_path) not in usage and "outside" in usage
+    export_drafter(run / "best", elsewhere / "runs" / "inside", "vllm", dtype="fp32")
+    usage = read_card(elsewhere / "runs" / "inside")["usage"]
+    assert str(tmp_path) not in json.dumps(usage) and '"model": "runs/inside"' in usage["vllm"]
+    assert "--drafter runs/inside" in usage["check"]

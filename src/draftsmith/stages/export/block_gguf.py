@@ -124,6 +124,8 @@ def export_block_gguf(ckpt: BlockCheckpoint, out: str | Path, *, target: str | P
     The model card goes beside it; a README.md of the user's there is kept (``card.updated_readme``)."""
     from gguf import GGUFWriter
 
+    from draftsmith.stages.export.card import shown_path
+
     if dtype not in GGUF_DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(GGUF_DTYPES)}")
     ckpt.validate()
@@ -150,7 +152,7 @@ def export_block_gguf(ckpt: BlockCheckpoint, out: str | Path, *, target: str | P
         arr, raw = _array(name, t, _DTYPES.get(dtype, dtype))
         w.add_tensor(name, arr, raw_dtype=raw)
     finish_gguf(w, tmp, out)
-    _write_card(ckpt, out, target, str(tgt.path), card)
+    _write_card(ckpt, out, target, shown_path(tgt.path), card)
     return BlockGgufReport(path=out, kind=s.kind, tensors=sorted(tensors), dtype=dtype,
                            target_layers=list(s.aux_layer_ids), slot=s.slot, draft_max=s.drafts, target=str(tgt.path))
 

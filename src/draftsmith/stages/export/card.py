@@ -248,7 +248,18 @@ def card_sources(source: str | Path | None, base_model: str | None, out: str | P
     src_dir = Path(source) if source is not None and Path(source).is_dir() else None
     training = training_facts(src_dir)
     base = base_model or base_model_of(training["target"] if training else None)
-    return src_dir, training, base, repo_id or str(Path(out).resolve())
+    return src_dir, training, base, repo_id or shown_path(out)
+
+
+def shown_path(path: str | Path) -> str:
+    """A local path as the card's serve and check lines show it: relative to the working directory when inside it
+    (``runs/demo/export``), else its name alone. A card is shared and pushed: it should not carry a user's
+    directory layout (``/home/alice/...``)."""
+    p = Path(path).absolute()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return p.name
 
 
 def card_facts(*, fmt: str, out: str | Path, drafter_config, source: str | Path | None, base_model: str | None,

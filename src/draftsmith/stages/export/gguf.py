@@ -333,15 +333,15 @@ def _gguf_arch(path: Path) -> str | None:
 
 def _write_card(out: Path, ckpt: DrafterCheckpoint, drafter, target: str | Path, tgt: TargetGguf, k: int,
                 card: dict | None) -> None:
-    from draftsmith.stages.export.card import base_model_of, card_facts, write_card
+    from draftsmith.stages.export.card import base_model_of, card_facts, shown_path, write_card
 
     folder = out.parent
     extra = dict(card or {})
     base = extra.pop("base_model", None) or base_model_of(target if str(target) == "smollm2" else None)
     source = drafter if isinstance(drafter, (str, Path)) else None
-    line = shlex.join(llama_server_argv(str(tgt.path), str(out.resolve()), k))
+    line = shlex.join(llama_server_argv(shown_path(tgt.path), shown_path(out), k))
     write_card(folder, card_facts(fmt="gguf", out=out, drafter_config=ckpt.config, source=source, base_model=base,
-                                  num_speculative_tokens=k, files=[out.name], target_gguf=str(tgt.path),
+                                  num_speculative_tokens=k, files=[out.name], target_gguf=shown_path(tgt.path),
                                   llama_line=line, d2t=ckpt.state.get("d2t"), **extra))
 
 
