@@ -486,3 +486,61 @@ def test_a_card_carries_no_absolute_local_path(tmp_path, monkeypatch):
     usage = read_card(elsewhere / "runs" / "inside")["usage"]
     assert str(tmp_path) not in json.dumps(usage) and '"model": "runs/inside"' in usage["vllm"]
     assert "--drafter runs/inside" in usage["check"]
+
+
+def test_export_refuses_nan_weights(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    run = _eagle_run(tmp_path)
+    f = run / "best" / "model.safetensors"
+    sd = load_file(f)
+    name = next(k for k, v in sd.items() if v.is_floating_point() and v.ndim == 2)
+    sd[name][0, 0] = float("nan")
+    save_file(sd, f)
+    assert _run(["export", "--drafter", str(run / "best"), "--format", "vllm", "--out", str(tmp_path / "o")]) == 2
+    _one_error(capsys, name, "NaN")
+    assert not (tmp_path / "o").exists()
+    from draftsmith.stages.export.block import ExportError
+    from draftsmith.testing.blocks import random_block_checkpoint, tiny_spec
+
+    ckpt = random_block_checkpoint(tiny_spec("dspark"))
+    ckpt.state["fc.weight"][0, 0] = float("inf")
+    with pytest.raises(ExportError, match="fc.weight holds NaN or infinite"):
+        ckpt.validate()
+
+
+def test_record_says_a_corrupt_card_is_corrupt_not_missing(tmp_path, capsys):
+    from draftsmith.stages.export import export_drafter
+
+    run = _eagle_run(tmp_path)
+    out = export_drafter(run / "best", tmp_path / "o", "vllm", dtype="fp32").path
+    (out / "drafter_card.json").write_text("{ not json")
+    assert _run(["check", "--engine", "llamacpp", "--target", "smollm2", "--drafter", str(out), "--record"]) == 2
+    _one_error(capsys, "drafter_card.json", "unreadable")
+
+
+def test_check_hands_doctors_report_over_before_the_engine_runs(monkeypatch, tmp_path):
+    seen = []
+
+    class Doctor:
+        blocking = False
+
+        def summary(self):
+            return "doctor: nothing blocks"
+
+        def ids(self, severity):
+            return []
+
+    monkeypatch.setattr("draftsmith.stages.doctor.diagnose", lambda *a, **k: Doctor())
+    monkeypatch.setattr(check_mod, "_engine_files", lambda opts, tmp: tmp_path)
+    monkeypatch.setattr(check_mod, "_card_findings", lambda *a: None)
+
+    def engine(opts, served):
+        seen.append("engine")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(check_mod, "_run_engine", engine)
+    with pytest.raises(RuntimeError, match="stop here"):
+        run_check(CheckOptions(engine="vllm", target="t", drafter=str(tmp_path), prompts=[[1]],
+                               on_doctor=lambda text: seen.append(text)))
+    assert seen == ["doctor: nothing blocks", "engine"]

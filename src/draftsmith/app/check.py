@@ -120,6 +120,11 @@ def _check_target(args) -> None:
         check_gguf_header(p)
 
 
+def _print_now(text: str) -> None:
+    """Doctor's report as soon as it is made: the engine may run for minutes after it."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def check_command(args) -> int:
     from draftsmith.stages.check import CheckOptions, run_check
     from draftsmith.stages.export.card import read_card
@@ -146,7 +151,7 @@ def check_command(args) -> int:
         except OpenVinoError as e:
             raise UsageError(str(e)) from None
         target_source_dir(args.target)  # a Hugging Face folder or smollm2, refused in one line otherwise
-    if args.record and read_card(args.drafter) is None:
+    if args.record and read_card(args.drafter, strict=True) is None:
         raise UsageError(f"--record writes into the drafter's card, and {args.drafter} has none (drafter_card.json): "
                          "check an export of it (draftsmith export writes the card)")
     card = read_card(args.drafter) or (read_card(args.reference_drafter) if args.reference_drafter else None)
@@ -181,11 +186,10 @@ def check_command(args) -> int:
                 engine=args.engine, target=target, drafter=args.drafter, prompts=prompts, prompt_source=args.prompts,
                 k=k, max_new_tokens=args.max_new_tokens, draftsmith_target=args.draftsmith_target,
                 reference_drafter=args.reference_drafter, vllm_python=python, threads=args.threads, force=args.force,
-                replay=args.replay, openvino_python=ov_python, sglang_python=args.sglang_python))
+                replay=args.replay, openvino_python=ov_python, sglang_python=args.sglang_python,
+                on_doctor=None if args.json else _print_now))
     except (RuntimeError, ValueError) as e:  # the engine's process failed, or options it cannot use (OpenVinoError)
         raise UsageError(f"check: {' '.join(str(e).split())[:400]}") from None
-    if report.doctor and not args.json:
-        print(report.doctor, file=sys.stderr)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     if args.record and report.exit_code == 0:
         from draftsmith.stages.export.card import record_check

@@ -10,6 +10,7 @@ card's held-out number); the verdict; on a loss, the faulty readings are replaye
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class CheckOptions:
     sglang_python: str | None = None  # SGLang's environment (a GPU machine's; not run here)
     force: bool = False
     replay: bool = True
+    on_doctor: Callable[[str], None] | None = None  # doctor's report as soon as it is made (the engine runs on)
 
 
 @dataclass
@@ -215,6 +217,8 @@ def _doctor(opts: CheckOptions, served: Path, report: CheckReport) -> bool:
         report.notes.append(f"doctor could not run: {' '.join(str(e).split())[:200]}")
         return True
     report.doctor = d.summary()
+    if opts.on_doctor is not None:
+        opts.on_doctor(report.doctor)
     report.doctor_blocking = d.blocking
     flagged = d.ids("error") + d.ids("warning")
     for cause in causes_from_doctor(flagged):

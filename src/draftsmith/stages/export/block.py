@@ -29,6 +29,7 @@ from draftsmith import __version__
 from draftsmith.core import block_facts as bf
 from draftsmith.core.conventions import ConventionError
 from draftsmith.core.layouts import MANIFEST_FILE, WEIGHTS_FILE
+from draftsmith.stages.export.checkpoint import check_finite
 
 BLOCK_FORMATS = ("vllm", "speculators", "sglang")
 BLOCK_IMPORT_FORMATS = ("zlab", "deepspec", "speculators", "vllm", "sglang")
@@ -100,6 +101,7 @@ class BlockCheckpoint:
             got = tuple(self.state[name].shape)
             if got != shape:
                 raise ExportError(f"{self.source}: {name} has shape {got}, the config says {shape}")
+        check_finite(self.state, self.source)
         return self
 
 

@@ -460,12 +460,22 @@ def _with_check(facts: dict, check: dict) -> dict:
     return facts
 
 
-def read_card(path: str | Path) -> dict | None:
-    """The card facts of a drafter (its folder, or the folder of its .gguf); None when it carries none."""
+def read_card(path: str | Path, *, strict: bool = False) -> dict | None:
+    """The card facts of a drafter (its folder, or the folder of its .gguf); None when it carries none.
+    ``strict``: a drafter_card.json that is there but unreadable raises ValueError (not "no card")."""
     p = Path(path)
-    folder = p if p.is_dir() else p.parent
+    file = (p if p.is_dir() else p.parent) / CARD_JSON
     try:
-        d = json.loads((folder / CARD_JSON).read_text())
-    except (OSError, ValueError):
+        d = json.loads(file.read_text())
+    except FileNotFoundError:
         return None
-    return d if isinstance(d, dict) and d.get("schema") == CARD_SCHEMA else None
+    except (OSError, ValueError) as e:
+        if strict:
+            raise ValueError(f"{file}: unreadable ({' '.join(str(e).split())[:160]}); re-export the drafter, or "
+                             "restore the file") from None
+        return None
+    if isinstance(d, dict) and d.get("schema") == CARD_SCHEMA:
+        return d
+    if strict:
+        raise ValueError(f"{file}: not a draftsmith card (no schema {CARD_SCHEMA!r}); re-export the drafter")
+    return None
