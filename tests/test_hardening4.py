@@ -544,3 +544,15 @@ def test_check_hands_doctors_report_over_before_the_engine_runs(monkeypatch, tmp
         run_check(CheckOptions(engine="vllm", target="t", drafter=str(tmp_path), prompts=[[1]],
                                on_doctor=lambda text: seen.append(text)))
     assert seen == ["doctor: nothing blocks", "engine"]
+
+
+def test_a_nan_loss_names_only_a_checkpoint_that_exists(tmp_path):
+    from draftsmith.stages.train.loop import _last_good
+
+    assert "no checkpoint was written" in _last_good(tmp_path)  # it named tmp_path/checkpoints, which is not there
+    good = tmp_path / "checkpoints" / "step-0000003"
+    (good / "drafter").mkdir(parents=True)
+    for name in ("trainer_state.pt", "drafter/model.safetensors", "drafter/config.json"):
+        (good / name).write_bytes(b"x")
+    (tmp_path / "checkpoints" / "latest").write_text(good.name)
+    assert str(good) in _last_good(tmp_path)
