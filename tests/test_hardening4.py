@@ -556,3 +556,14 @@ def test_a_nan_loss_names_only_a_checkpoint_that_exists(tmp_path):
         (good / name).write_bytes(b"x")
     (tmp_path / "checkpoints" / "latest").write_text(good.name)
     assert str(good) in _last_good(tmp_path)
+
+
+@pytest.mark.parametrize("over, words", [({"mask_token_id": 300}, "outside the target's embedding"),
+                                         ({"aux_layer_ids": (2, 4, 9)}, "outside the target's 8 layers")])
+def test_block_export_refuses_ids_outside_the_target_its_fingerprint_names(tmp_path, over, words):
+    from draftsmith.stages.export.block import ExportError, export_block
+    from draftsmith.testing.blocks import random_block_checkpoint, tiny_spec
+
+    with pytest.raises(ExportError, match=words):
+        export_block(random_block_checkpoint(tiny_spec("dspark", **over)), tmp_path / "o", "vllm")
+    assert not (tmp_path / "o").exists()

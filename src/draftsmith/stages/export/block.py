@@ -230,6 +230,12 @@ def check_layout(s: BlockSpec, fmt: str) -> None:
     if fmt != "speculators":
         bf.to_output_layer_ids(s.aux_layer_ids)  # refuses layer 0, which output-of-layer numbering cannot say
     ids = list(s.aux_layer_ids)
+    n = s.num_target_layers  # from the drafter's target fingerprint, where it has one
+    if n is not None and any(not 0 <= i < n for i in ids):
+        raise ExportError(f"target layers {ids} (input of layer L) fall outside the target's {n} layers (the "
+                          "drafter's target fingerprint): every engine would refuse it or read other states")
+    if problem := bf.mask_token_problem(s.mask_token_id, s.vocab_size, None):
+        raise ExportError(problem)
     if ids != sorted(set(ids)):
         raise ExportError(f"target layers {ids} are not strictly increasing: vLLM concatenates the target's states "
                           "in layer order whatever the config lists, so fc would read its inputs permuted")
