@@ -567,3 +567,14 @@ def test_block_export_refuses_ids_outside_the_target_its_fingerprint_names(tmp_p
     with pytest.raises(ExportError, match=words):
         export_block(random_block_checkpoint(tiny_spec("dspark", **over)), tmp_path / "o", "vllm")
     assert not (tmp_path / "o").exists()
+
+
+def test_eagle_export_refuses_aux_ids_outside_the_target_its_fingerprint_names(tmp_path, capsys):
+    run = _eagle_run(tmp_path)
+    cfg_file = run / "best" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    n = cfg["draftsmith"]["target"]["num_layers"]  # the fingerprint of the target it was trained on
+    cfg_file.write_text(json.dumps(cfg | {"eagle_aux_hidden_state_layer_ids": [1, 2, n + 3]}))
+    assert _run(["export", "--drafter", str(run / "best"), "--format", "vllm", "--out", str(tmp_path / "o")]) == 2
+    _one_error(capsys, "outside", f"{n} layers")
+    assert not (tmp_path / "o").exists()
