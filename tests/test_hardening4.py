@@ -578,3 +578,18 @@ def test_eagle_export_refuses_aux_ids_outside_the_target_its_fingerprint_names(t
     assert _run(["export", "--drafter", str(run / "best"), "--format", "vllm", "--out", str(tmp_path / "o")]) == 2
     _one_error(capsys, "outside", f"{n} layers")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_dspark_labelled_dflash_is_named_so_not_blamed_on_the_slot(tmp_path, stated_vllm, capsys):
+    import shutil
+
+    from draftsmith.stages.doctor import diagnose
+
+    target = Path(shutil.copytree(FIXTURES / "llama", tmp_path / "target"))
+    drafter = _dspark_export(tmp_path)
+    cfg = (drafter / "config.json").read_text()
+    (drafter / "config.json").write_text(cfg.replace("Qwen3DSparkModel", "DFlashDraftModel"))
+    r = diagnose(target, drafter, engine="vllm", engine_version="0.32")
+    assert "block.kind" in r.ids("error") and "block.slot" not in r.ids("error"), r.summary()
+    assert _run(["export", "--drafter", str(drafter), "--format", "vllm", "--out", str(tmp_path / "o")]) == 2
+    _one_error(capsys, "labelled dflash", "Markov")

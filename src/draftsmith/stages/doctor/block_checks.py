@@ -97,6 +97,12 @@ def check_block_drafter(out: Findings, engine: str, t: TargetShape, drafter: Pat
     elif problem := bf.block_size_problem(block):
         out.add("block.size", "error", problem, f"{ev}: block_size = {block!r}", "retrain, or correct config.json")
         block = None  # the engine facts below read a usable size only
+    if kind == "dflash" and (markov := [n for n in _weight_names(drafter) if "markov" in n]):
+        out.add("block.kind", "error", f"labelled dflash, but its weights hold a DSpark Markov head ({markov[0]}, "
+                "...): an engine builds a DFlash drafter from the label and refuses those tensors or drops the head, "
+                "and the slot convention it reads follows the wrong kind", ev,
+                "label it dspark (architectures Qwen3DSparkModel, or draftsmith export from the run)")
+        return
     _check_layers(out, t, ids, ids_evidence, ev, engine)
     _check_mask(out, t, mask, raw, kind, engine, ev)
     if engine == "llamacpp":
@@ -111,6 +117,16 @@ def check_block_drafter(out: Findings, engine: str, t: TargetShape, drafter: Pat
                                     markov_head_type=head, draft_vocab_full=full,
                                     num_speculative_tokens=num_speculative_tokens, on_cpu=on_cpu):
             out.add(f.id, f.severity, f.message, ev, f.fix, engine_fact=True)
+
+
+def _weight_names(drafter: Path) -> list[str]:
+    """The tensor names in the drafter's safetensors headers (none where they cannot be read)."""
+    from draftsmith.core.tensorfile import read_checkpoint_headers
+
+    try:
+        return sorted(read_checkpoint_headers(drafter)[0])
+    except (OSError, ValueError, KeyError):
+        return []
 
 
 def check_block_weights(out: Findings, drafter: Path) -> None:

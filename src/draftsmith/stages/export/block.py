@@ -95,6 +95,10 @@ class BlockCheckpoint:
         if missing:
             raise ExportError(f"{self.source}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
         extra = sorted(set(self.state) - set(want))
+        if self.spec.kind == "dflash" and any("markov" in n for n in extra):
+            raise ExportError(f"{self.source}: labelled dflash, but it holds a DSpark Markov head "
+                              f"({next(n for n in extra if 'markov' in n)}): label it dspark (architectures "
+                              "Qwen3DSparkModel)")
         if extra:
             raise ExportError(f"{self.source}: tensors with no place in a {self.spec.kind} drafter: {extra[:4]}")
         for name, shape in want.items():
