@@ -397,7 +397,10 @@ def updated_readme(existing: str | None, old_facts: dict | None, facts: dict) ->
     if existing is None:
         return render_card(facts)
     begin, end = existing.find(CARD_BEGIN), existing.find(CARD_END)
-    old_front, old_body = _card_parts(old_facts) if old_facts else (None, None)
+    try:  # a card JSON from another version, or damaged, renders nothing to compare with
+        old_front, old_body = _card_parts(old_facts) if old_facts else (None, None)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        old_front, old_body = None, None
     if 0 <= begin < end and existing.count(CARD_BEGIN) == existing.count(CARD_END) == 1:
         front, body = _card_parts(facts)
         head = existing[:begin]
@@ -409,7 +412,7 @@ def updated_readme(existing: str | None, old_facts: dict | None, facts: dict) ->
     return None
 
 
-def write_card(out_dir: str | Path, facts: dict, *, beside: str | Path | None = None) -> tuple[Path, Path | None]:
+def write_card(out_dir: str | Path, facts: dict, *, beside: str | Path | None = None) -> tuple[Path | None, Path]:
     """drafter_card.json and README.md in ``out_dir``, each written atomically; README.md per ``updated_readme``
     over the one in ``beside`` (default ``out_dir``: an export staged elsewhere names the folder it replaces).
     Returns the README's path, or None where a README.md of the user's is left as it is."""
