@@ -44,6 +44,22 @@ def finite_float(text) -> float:
 finite_float.base_type = float  # type: ignore[attr-defined]  # what a recipe's TOML value must be (app/recipe.py)
 
 
+#: draftsmith's environment switches and the values each takes ("" = unset); any other value is refused rather than
+#: read as one of them (DRAFTSMITH_COMPILE=false compiled, DRAFTSMITH_DENORMALS=off kept subnormals).
+ENV_SWITCHES = {"DRAFTSMITH_COMPILE": ("", "0", "1"), "DRAFTSMITH_DENORMALS": ("", "0", "1")}
+
+
+def check_env_switches(environ=None) -> None:
+    """Each switch set to a value it takes, else one UsageError line naming it."""
+    import os
+
+    env = os.environ if environ is None else environ
+    for name, allowed in ENV_SWITCHES.items():
+        value = env.get(name, "")
+        if value not in allowed:
+            raise UsageError(f"{name}={value!r}: takes 0 or 1 (or unset)")
+
+
 def fail(e: BaseException, code: int = 2, then: str = "") -> int:
     """The one way the CLI reports an error: ``draftsmith: error: <message on one line><then>``."""
     print(f"draftsmith: error: {one_line(e)}{then}", file=sys.stderr)

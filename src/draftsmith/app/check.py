@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 from draftsmith.app.args import add_json_arg
-from draftsmith.core.errors import UsageError
+from draftsmith.core.errors import UsageError, one_line
+from draftsmith.core.processes import sigterm_as_exit
 
 DEFAULT_PROMPTS, DEFAULT_LIMIT, DEFAULT_NEW_TOKENS = "mt-bench", 8, 64
+MAX_NEW_TOKENS = 16384
+MAX_K = 64  # stages.decode.MAX_DRAFT_LENGTH (not imported: no torch for --help)
 
 
 def add_check_parser(sub) -> None:
@@ -90,12 +93,49 @@ def check_prompts(tokenizer, name: str, limit: int) -> list[list[int]]:
     return [list(encode_prompt(tokenizer, p.turns[0], chat=chat)) for p in prompts]
 
 
+def _engine_pythons(args) -> None:
+    """--vllm-python, --sglang-python, --openvino-python as typed: a relative path is the user's, from where they
+    stand (the engines run in a temporary folder, where it would name nothing); a bare name is looked up on PATH."""
+    import os
+
+    for name in ("vllm_python", "sglang_python", "openvino_python"):
+        value = getattr(args, name, None)
+        if value and os.sep in value:  # absolute, not resolved: a venv's python is a link that must stay one
+            setattr(args, name, os.path.abspath(os.path.expanduser(value)))
+
+
+def _check_target(args) -> None:
+    """llama.cpp's target: 'smollm2' or a GGUF file, refused in one line (exit 2) before anything loads."""
+    from draftsmith.model.sources import EMBEDDED_DEFAULT
+
+    if args.engine != "llamacpp" or args.target == EMBEDDED_DEFAULT:
+        return
+    from draftsmith.core.gguf_file import check_gguf_header
+
+    p = Path(args.target)
+    if not p.exists():
+        raise UsageError(f"--target {args.target}: no such file (check --engine llamacpp takes a target .gguf, or "
+                         f"'{EMBEDDED_DEFAULT}')")
+    if p.is_file():
+        check_gguf_header(p)
+
+
+def _print_now(text: str) -> None:
+    """Doctor's report as soon as it is made: the engine may run for minutes after it."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def check_command(args) -> int:
     from draftsmith.stages.check import CheckOptions, run_check
     from draftsmith.stages.export.card import read_card
 
     if args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1:
         raise UsageError("--limit, --max-new-tokens and --threads take numbers >= 1")
+    if args.max_new_tokens > MAX_NEW_TOKENS:
+        raise UsageError(f"--max-new-tokens is at most {MAX_NEW_TOKENS} (the engine decodes every prompt twice; "
+                         f"acceptance is measured long before), got {args.max_new_tokens}")
+    _engine_pythons(args)
+    _check_target(args)
     if args.engine == "llamacpp":
         from draftsmith.integrations.llamacpp import available
 
@@ -111,13 +151,16 @@ def check_command(args) -> int:
         except OpenVinoError as e:
             raise UsageError(str(e)) from None
         target_source_dir(args.target)  # a Hugging Face folder or smollm2, refused in one line otherwise
-    if args.record and read_card(args.drafter) is None:
+    if args.record and read_card(args.drafter, strict=True) is None:
         raise UsageError(f"--record writes into the drafter's card, and {args.drafter} has none (drafter_card.json): "
                          "check an export of it (draftsmith export writes the card)")
     card = read_card(args.drafter) or (read_card(args.reference_drafter) if args.reference_drafter else None)
-    k = args.num_speculative_tokens or (card or {}).get("num_speculative_tokens") or 3
-    if k < 1:
-        raise UsageError("--num-speculative-tokens must be >= 1")
+    k = args.num_speculative_tokens
+    if k is None:
+        k = (card or {}).get("num_speculative_tokens") or 3
+    if not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise UsageError(f"--num-speculative-tokens must be between 1 and {MAX_K} (acceptance dies out long "
+                         f"before), got {k}" + ("" if args.num_speculative_tokens is not None else " from the card"))
     target = args.target
     python = None
     if args.engine == "vllm":
@@ -132,17 +175,21 @@ def check_command(args) -> int:
         from draftsmith.app.serve import check_executable
 
         check_executable(args.sglang_python, flag="--sglang-python")
-    prompts = check_prompts(_tokenizer(args.engine, args.target), args.prompts, args.limit)
     try:
-        report = run_check(CheckOptions(
-            engine=args.engine, target=target, drafter=args.drafter, prompts=prompts, prompt_source=args.prompts,
-            k=k, max_new_tokens=args.max_new_tokens, draftsmith_target=args.draftsmith_target,
-            reference_drafter=args.reference_drafter, vllm_python=python, threads=args.threads, force=args.force,
-            replay=args.replay, openvino_python=ov_python, sglang_python=args.sglang_python))
+        tokenizer = _tokenizer(args.engine, args.target)
+    except (OSError, ValueError) as e:  # transformers' words for a target it cannot read point at a hub page
+        raise UsageError(f"--target {args.target}: no tokenizer can be read from it ({one_line(e)[:240]})") from None
+    prompts = check_prompts(tokenizer, args.prompts, args.limit)
+    try:
+        with sigterm_as_exit():  # a SIGTERM stops the engine's server and removes the temporary export
+            report = run_check(CheckOptions(
+                engine=args.engine, target=target, drafter=args.drafter, prompts=prompts, prompt_source=args.prompts,
+                k=k, max_new_tokens=args.max_new_tokens, draftsmith_target=args.draftsmith_target,
+                reference_drafter=args.reference_drafter, vllm_python=python, threads=args.threads, force=args.force,
+                replay=args.replay, openvino_python=ov_python, sglang_python=args.sglang_python,
+                on_doctor=None if args.json else _print_now))
     except (RuntimeError, ValueError) as e:  # the engine's process failed, or options it cannot use (OpenVinoError)
         raise UsageError(f"check: {' '.join(str(e).split())[:400]}") from None
-    if report.doctor and not args.json:
-        print(report.doctor, file=sys.stderr)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     if args.record and report.exit_code == 0:
         from draftsmith.stages.export.card import record_check

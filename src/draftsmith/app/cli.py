@@ -20,6 +20,7 @@ from draftsmith.app.args import (
     add_progress_arg,
     add_target_args,
     add_vllm_args,
+    check_env_switches,
     check_vllm_args,
     fail,
     fail_os,
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a recipe path over the name limit, a recipe one may not read
         return fail_os(e)
     args = parser.parse_args(argv)
+    try:
+        check_env_switches()
+    except USER_ERRORS as e:
+        return fail(e)
     if args.command in ("doctor", "serve"):  # before the library imports below: doctor answers in under a second
         return _doctor_or_serve(args)
     _quiet_libraries()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from draftsmith.core.conventions import speculative_config
 from draftsmith.core.errors import UsageError
+from draftsmith.core.processes import child_options
 from draftsmith.core.vllm_facts import vllm_serve_argv
 from draftsmith.stages.doctor import diagnose
 from draftsmith.stages.doctor.hub import parse_hub_id
@@ -155,7 +156,7 @@ def check_executable(path: str, flag: str = "--vllm-bin") -> None:
 
 
 def _launch(cmd: list[str]):
-    return subprocess.Popen(cmd)
+    return subprocess.Popen(cmd, **child_options())  # vLLM stops when draftsmith dies, kill -9 included
 
 
 def _stop(proc) -> None:

@@ -127,9 +127,8 @@ def check_server(base: str, expected: float | None, *, max_tokens: int = 64, max
 
 
 def card_expectation(drafter, k: int) -> float | None:
-    """The card's acceptance length at chain k (None: no card, or not measured that far)."""
-    from draftsmith.stages.export.card import read_card
+    """The card's acceptance length at chain k, else at the longest shorter chain it holds (a floor; None: no
+    card, or none measured)."""
+    from draftsmith.stages.export.card import expected_at_k, read_card
 
-    card = read_card(drafter)
-    by_k = ((card or {}).get("expected_acceptance") or {}).get("by_k") or {}
-    return by_k.get(str(k))
+    return expected_at_k(read_card(drafter) or {}, k)[0]

@@ -331,9 +331,10 @@ def add_export_parsers(sub) -> None:
                         "target's .gguf file (or 'smollm2'), whose architecture is checked and tokenizer copied")
     p.add_argument("--verifier", default=None, metavar="NAME_OR_PATH",
                    help="speculators: the target vLLM serves (Hugging Face id or directory); default --target")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="draft tokens per step: speculators writes it into the config; the printed serve line "
-                        "uses it (gguf: llama.cpp's --draft-max) (default 3)")
+                        "uses it (gguf: llama.cpp's --draft-max) (default 3, or the longest chain the card has "
+                        "an expected acceptance for; a longer one is refused)")
     p.add_argument("--openvino-weights", choices=["fp32", "fp16", "int8"], default="fp32",
                    help="openvino: weight format of the draft and target IRs (optimum-cli --weight-format; default "
                         "fp32)")
@@ -378,8 +379,12 @@ def export(args) -> int:
 
     from draftsmith.stages.export import export_drafter, target_embeddings
 
-    if args.num_speculative_tokens < 1:
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         raise UsageError("--num-speculative-tokens must be >= 1")
+    if args.push_to_hub is not None:  # before anything is written: the id goes into the card's serve lines
+        from draftsmith.stages.export.publish import hub_repo
+
+        hub_repo(args.push_to_hub)
     if _is_block_dir(args.drafter):  # DFlash / DSpark: the block kinds' writers
         return _export_block(args)
     if args.format == "gguf":
@@ -414,7 +419,7 @@ def _card_extra(args) -> dict:
     return extra
 
 
-def _decoded_expectation(target_path: str, drafter_dir: str, k: int) -> dict:
+def _decoded_expectation(target_path: str, drafter_dir: str, k: int | None) -> dict:
     """The card's expected acceptance measured by decoding the held-out prompts (calibration.decoded_expectation)."""
     import torch
 
@@ -430,11 +435,11 @@ def _decoded_expectation(target_path: str, drafter_dir: str, k: int) -> dict:
     if target.tokenizer is None:
         raise UsageError(f"--calibrate-target {target_path}: no tokenizer to render the held-out prompts")
     cal = calibration_set(drafter_dir, target.tokenizer)
-    return decoded_expectation(target, drafter, cal, k=max(5, k))
+    return decoded_expectation(target, drafter, cal, k=max(5, k or 3))
 
 
 def _push(args, folder: Path) -> int:
-    if not args.push_to_hub:
+    if args.push_to_hub is None:
         return 0
     from draftsmith.stages.export.publish import push_to_hub
 

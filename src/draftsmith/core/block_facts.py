@@ -30,6 +30,9 @@ ANCHOR_FIRST = "anchor_first"
 FILL_IN = "fill_in"
 SLOTS = (ANCHOR_FIRST, FILL_IN)
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
+#: The block sizes train makes, export writes and doctor passes: a block of one drafts nothing (fill-in) and an
+#: engine asked for 0 or 100000 drafts a round allocates or loops for them; acceptance decays with the slot.
+BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 2, 64
 DEFAULT_MASK_TOKEN = "<|MASK|>"  # SGLang's DFlash looks this string up when the config gives no id
 
 
@@ -55,6 +58,16 @@ def drafts_per_block(block_size: int, slot: str) -> int:
     """How many tokens one block drafts: all B slots anchor-first, B - 1 fill-in (slot 0 is the anchor)."""
     check_slot(slot)
     return int(block_size) if slot == ANCHOR_FIRST else int(block_size) - 1
+
+
+def block_size_problem(block_size) -> str | None:
+    """Why a config's block size is unusable (None: it is in BLOCK_SIZE_MIN..BLOCK_SIZE_MAX)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        return f"block_size {block_size!r} is not an integer"
+    if not BLOCK_SIZE_MIN <= block_size <= BLOCK_SIZE_MAX:
+        return (f"block_size {block_size} is outside {BLOCK_SIZE_MIN}..{BLOCK_SIZE_MAX}, the sizes train makes: an "
+                "engine drafts nothing with it, or allocates and loops for a block no drafter was trained on")
+    return None
 
 
 def check_slot(slot: str) -> str:

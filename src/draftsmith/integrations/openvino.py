@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.processes import child_options
 
 ENV_VAR = "DRAFTSMITH_OPENVINO_PYTHON"
 VENV_DIR = ".venv-openvino"
@@ -66,7 +67,7 @@ def optimum_export(src: str | Path, out: str | Path, *, weight_format: str = "fp
     cmd = [str(cli), "export", "openvino", "-m", str(src), str(out), "--task", "text-generation-with-past",
            "--trust-remote-code", "--weight-format", weight_format]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), **child_options())
     except subprocess.TimeoutExpired as e:
         raise OpenVinoError(f"optimum-cli export openvino did not finish in {timeout:.0f} s") from e
     if proc.returncode != 0 or not (Path(out) / "openvino_model.xml").is_file():
@@ -84,7 +85,7 @@ def run_worker(request: dict, *, python: str | Path | None = None, timeout: floa
         try:
             proc = subprocess.run([str(py), "-m", "draftsmith.integrations.openvino_worker", str(req), str(resp)],
                                   stdout=subprocess.PIPE, stderr=None if progress else subprocess.PIPE, text=True,
-                                  timeout=timeout, env=_env())
+                                  timeout=timeout, env=_env(), **child_options())
         except subprocess.TimeoutExpired as e:
             raise OpenVinoError(f"OpenVINO GenAI did not answer in {timeout:.0f} s") from e
         if not resp.is_file():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -22,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.processes import child_options
 
 ACCEPTED_KEYS = ("spec_num_correct_drafts", "spec_accepted_drafts", "spec_accept_token_num")
 
@@ -63,7 +65,10 @@ class SglangServer:
         self._log = tempfile.TemporaryFile(mode="w+")
         env = {**os.environ}
         env.pop("PYTHONPATH", None)  # SGLang's environment, not ours
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # its own process group (SGLang starts scheduler and detokenizer processes: stopped together), and a
+        # SIGTERM to it when draftsmith dies, kill -9 included (core/processes.py)
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, **child_options())
         try:
             self._wait_healthy()
         except BaseException:  # a server that never came up is stopped too, and its log closed
@@ -87,15 +92,22 @@ class SglangServer:
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 self.proc.wait(timeout=30)
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def _signal(self, sig: int) -> None:
+        """The server's whole process group (its own session: the group id is its pid)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            self.proc.send_signal(sig)
 
     def tail(self, lines: int = 4) -> str:
         if self._log is None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.processes import child_options
 from draftsmith.stages.capture.common import CaptureConfig, CaptureReport, _Pending, _Progress, _Run, capture_with
 from draftsmith.stages.capture.spool import Spool, spool_key
 from draftsmith.stages.capture.vocab import add_vocab
@@ -116,7 +117,7 @@ class _Engines:
             try:
                 self.procs.append(subprocess.Popen([str(opts.python), str(worker), json.dumps(engine)], env=env,
                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                                   text=True, bufsize=1))
+                                                   text=True, bufsize=1, **child_options()))
             except OSError as e:
                 self.close()
                 raise VllmCaptureError(f"cannot start vLLM with {opts.python}: {e}") from None

@@ -10,10 +10,12 @@ card's held-out number); the verdict; on a loss, the faulty readings are replaye
 
 from __future__ import annotations
 
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import process_temp_dir
 from draftsmith.stages.check.engines import EngineOutcome, run_llamacpp, run_openvino, run_sglang, run_vllm
 from draftsmith.stages.check.signatures import (
     CAUSES,
@@ -22,9 +24,23 @@ from draftsmith.stages.check.signatures import (
     causes_from_doctor,
     nearest_replay,
 )
-from draftsmith.stages.check.verdict import COLLAPSE, Equality, acceptance_verdict, compare_outputs, gain_ratio
+from draftsmith.stages.check.verdict import (
+    COLLAPSE,
+    MIN_GAIN,
+    Equality,
+    acceptance_verdict,
+    compare_outputs,
+    far_above,
+    gain_ratio,
+)
+from draftsmith.stages.export.card import expected_at_k
 
 ENGINES = ("vllm", "llamacpp", "openvino", "sglang")
+
+
+class EngineUnusable(DraftsmithError, RuntimeError):
+    """The engine failed without the drafter too (its environment, its install, the target): not a finding about
+    the drafter, so no exit 1."""
 
 
 @dataclass
@@ -46,6 +62,7 @@ class CheckOptions:
     sglang_python: str | None = None  # SGLang's environment (a GPU machine's; not run here)
     force: bool = False
     replay: bool = True
+    on_doctor: Callable[[str], None] | None = None  # doctor's report as soon as it is made (the engine runs on)
 
 
 @dataclass
@@ -67,6 +84,7 @@ class CheckReport:
     served_tau: float | None = None
     own_tau: float | None = None
     card_tau: float | None = None
+    card_k: int | None = None  # the k the card's number is for (below ``k`` when the card holds no number for k)
     expected_from: str = ""
     verdict: str = "not run"
     findings: list[Finding] = field(default_factory=list)
@@ -80,7 +98,8 @@ class CheckReport:
 
     @property
     def exit_code(self) -> int:
-        """0: served as trained; 1: a finding (a loss, a divergence, files that are not what was trained)."""
+        """0: served as trained; 1: a finding (a loss, a divergence, files that are not what was trained, a
+        reference that accepts nothing to compare with)."""
         bad_output = self.equality is not None and bool(self.equality.divergences)
         return 0 if self.verdict == "pass" and not self.findings and not bad_output else 1
 
@@ -116,9 +135,10 @@ class CheckReport:
                  f"{self.prompts} prompts, greedy"]
         if self.served_tau is not None:
             exp = self.expected_tau
+            share = (f"; {100 * gain_ratio(self.served_tau, exp):.0f}% of its accepted drafts"
+                     if exp is not None and exp - 1.0 >= MIN_GAIN else "; it accepts ~nothing")
             lines.append(f"  served acceptance length {self.served_tau:.3f}" + (
-                f"; expected {exp:.3f} ({self.expected_from}; {100 * gain_ratio(self.served_tau, exp):.0f}% of its "
-                "accepted drafts)" if exp is not None else ""))
+                f"; expected {exp:.3f} ({self.expected_from}{share})" if exp is not None else ""))
             if self.own_tau is not None and self.card_tau is not None:
                 lines.append(f"  draftsmith's decoder on these prompts {self.own_tau:.3f}; the card (held-out "
                              f"training samples) {self.card_tau:.3f}")
@@ -137,6 +157,8 @@ class CheckReport:
         lines += [f"  note: {n}" for n in self.notes]
         word = {"pass": "served as trained", "silent collapse": "SILENT COLLAPSE", "partial loss": "PARTIAL LOSS",
                 "files differ from the card": "FILES DIFFER FROM THE CARD",
+                "cannot tell": "CANNOT TELL (the reference accepts nothing to compare with)",
+                "above the reference": "FAR ABOVE THE REFERENCE",
                 "intermittent zero acceptance": "INTERMITTENT ZERO ACCEPTANCE (the engine's)"}
         lines.append(f"verdict: {word.get(self.verdict, self.verdict)} (exit {self.exit_code})")
         return "\n".join(lines)
@@ -147,8 +169,9 @@ def run_check(opts: CheckOptions) -> CheckReport:
     if opts.engine not in ENGINES:
         raise ValueError(f"unknown engine {opts.engine!r}; choose one of {', '.join(ENGINES)}")
     report = CheckReport(engine=opts.engine, prompts=len(opts.prompts), k=opts.k)
-    with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as tmp:
-        served = _engine_files(opts, Path(tmp))
+    # named after this process: the one a kill -9 left is removed at the next start (SIGTERM: sigterm_as_exit)
+    with process_temp_dir("draftsmith-check-") as tmp:
+        served = _engine_files(opts, tmp)
         if not _doctor(opts, served, report) and not opts.force:  # doctor reads what the engine will load
             report.verdict = "refused by doctor"
             return report
@@ -156,14 +179,22 @@ def run_check(opts: CheckOptions) -> CheckReport:
         _card_findings(opts, served, card, report)
         outcome = _run_engine(opts, served)
         report.engine_version = outcome.version
-        if outcome.spec.error or outcome.plain.error:
+        if outcome.plain.error:  # no drafter in that run: the engine, its environment or the target failed
+            raise EngineUnusable(f"{opts.engine} could not decode without a drafter either, so the drafter is not "
+                                 f"what failed: {' '.join(outcome.plain.error.split())[:300]} (check the engine's "
+                                 "environment, e.g. --sglang-python / --vllm-python, and the target)")
+        if outcome.spec.error:
             report.verdict = "engine refused"
-            report.notes.append(f"{opts.engine}: {outcome.spec.error or outcome.plain.error}")
+            report.notes.append(f"{opts.engine}: {outcome.spec.error}")
             return report
         report.served_tau = outcome.spec.tau
         report.served_per_prompt = list(outcome.spec.per_prompt)
         if card is not None:
-            report.card_tau = ((card.get("expected_acceptance") or {}).get("by_k") or {}).get(str(opts.k))
+            report.card_tau, report.card_k = expected_at_k(card, opts.k)
+            if report.card_tau is not None and report.card_k != opts.k:
+                report.notes.append(f"the card holds no number for k={opts.k}: its k={report.card_k} number "
+                                    f"({report.card_tau:.2f}) is the bar, a floor at k={opts.k} (a longer chain "
+                                    "accepts at least as much)")
         pair = _reference(opts, report)
         top = outcome.plain.top
         if top is None and pair is not None:  # the engine gives no log-probabilities: the target's own, in draftsmith
@@ -186,6 +217,8 @@ def _doctor(opts: CheckOptions, served: Path, report: CheckReport) -> bool:
         report.notes.append(f"doctor could not run: {' '.join(str(e).split())[:200]}")
         return True
     report.doctor = d.summary()
+    if opts.on_doctor is not None:
+        opts.on_doctor(report.doctor)
     report.doctor_blocking = d.blocking
     flagged = d.ids("error") + d.ids("warning")
     for cause in causes_from_doctor(flagged):
@@ -334,7 +367,10 @@ def _decide(opts: CheckOptions, report: CheckReport, pair, outcome: EngineOutcom
         report.verdict = "unchecked"
         report.notes.append("no reference acceptance: no card and no draftsmith decode")
         return
-    if report.verdict == "pass" and card_found and report.card_tau is not None:
+    if report.verdict == "cannot tell":
+        report.notes.append(_cannot_tell(report))
+        return
+    if report.verdict == "pass" and card_found and report.card_tau is not None and report.card_tau - 1 >= MIN_GAIN:
         report.verdict = acceptance_verdict(served, report.card_tau, "card")
     if report.verdict == "pass" and card_found:  # serves well here, but not what was trained (e.g. aux ids +1)
         report.verdict = "files differ from the card"
@@ -351,6 +387,31 @@ def _decide(opts: CheckOptions, report: CheckReport, pair, outcome: EngineOutcom
                                            f"'{label}' accepts {tau:.2f}; the engine {served:.2f}"))
     if report.verdict != "pass" and not report.findings:
         report.findings.append(Finding("unknown", f"served {served:.2f} against {report.expected_tau:.2f}"))
+    _above(report)
+
+
+def _cannot_tell(report: CheckReport) -> str:
+    """Why a reference that accepts ~nothing is no pass: any served number is 100% of nothing."""
+    what = (f"draftsmith's own decoder accepts ~nothing on these prompts ({report.own_tau:.2f})"
+            if report.expected_from == "draftsmith" else f"the card expects ~nothing ({report.card_tau:.2f})")
+    return (f"cannot tell: {what}, so a drafter that accepts nothing would pass too, and the card holds no "
+            "number above it to compare with. Check with --reference-drafter DIR (the drafter as trained, with its "
+            "eval.json), prompts like its training data, or a card from `draftsmith export`")
+
+
+def _above(report: CheckReport) -> None:
+    """A served acceptance far above the reference: flagged (the card's number for a shorter chain is only a floor
+    at this k, so it flags nothing)."""
+    served, exp = report.served_tau, report.expected_tau
+    if report.verdict != "pass" or served is None or exp is None:
+        return
+    if report.expected_from == "card" and report.card_k != report.k:
+        return
+    if far_above(served, exp, report.expected_from):
+        report.verdict = "above the reference"
+        report.findings.append(Finding("above-reference", f"served {served:.2f} against {exp:.2f} "
+                                       f"({report.expected_from}), {100 * gain_ratio(served, exp):.0f}% of its "
+                                       "accepted drafts"))
 
 
 def _zero_acceptance(report: CheckReport, outcome: EngineOutcome) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+
+from draftsmith.core.io import process_temp_dir
+from draftsmith.core.processes import child_options
 
 
 @dataclass
@@ -105,12 +107,12 @@ def run_vllm(python: str | Path, target: str, drafter_dir: str | Path, prompts: 
            "prompts": prompts, "speculative_config": spec, "logprobs": 2, "kv_cache_bytes": kv_cache_bytes}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
     env.pop("PYTHONPATH", None)  # vLLM's environment, not ours
-    with tempfile.TemporaryDirectory(prefix="draftsmith-check-") as tmp:
+    with process_temp_dir("draftsmith-vllm-job-") as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job))
         try:
             proc = subprocess.run([str(python), str(worker), str(job_file)], capture_output=True, text=True,
-                                  timeout=timeout_s, env=env, cwd=tmp)
+                                  timeout=timeout_s, env=env, cwd=tmp, **child_options())
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"vLLM did not finish in {timeout_s:.0f} s") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"vllm_version"')]

@@ -60,6 +60,10 @@ CAUSES: dict[str, Cause] = {c.id: c for c in (
           "generate) where a freshly built one accepts: OpenVINO GenAI #4425 (3 of 50 CPU instances, output unchanged)",
           "an engine fault, not the drafter's: build the pipeline again (and check its acceptance after load in a "
           "deployment), or use a GenAI release that fixes #4425"),
+    Cause("above-reference", "served acceptance far above the reference: the engine counts accepted drafts "
+          "otherwise, or serves another drafter than the one the reference read (the card's or --reference-drafter)",
+          "check that --drafter (and --reference-drafter) is the drafter the engine serves, and the engine's "
+          "counters against its release notes; a pass is not recorded"),
     Cause("unknown", "no known signature matches", "compare `draftsmith bench` (draftsmith's decoder) with the "
           "engine on the same prompts, and run `draftsmith doctor --engine ENGINE` with the engine's version"),
 )}

@@ -89,10 +89,20 @@ def check_block_drafter(out: Findings, engine: str, t: TargetShape, drafter: Pat
                      draft_vocab_size=raw.get("draft_vocab_size") or q.get("vocab_size"))
     ev = f"{drafter}/config.json"
     out.add("block.layout", "info", f"a {kind} drafter in {layout}'s layout, blocks {slot.replace('_', '-')}"
-            + (f", {bf.drafts_per_block(int(block), slot)} drafts per block of {block}" if block else ""),
+            + (f", {bf.drafts_per_block(block, slot)} drafts per block of {block}"
+               if isinstance(block, int) and block > 0 else ""),
             f"{ev}: {ids_evidence}")
     if block is None:
         out.add("block.size", "error", "the config gives no block_size", ev, "add block_size to config.json")
+    elif problem := bf.block_size_problem(block):
+        out.add("block.size", "error", problem, f"{ev}: block_size = {block!r}", "retrain, or correct config.json")
+        block = None  # the engine facts below read a usable size only
+    if kind == "dflash" and (markov := [n for n in _weight_names(drafter) if "markov" in n]):
+        out.add("block.kind", "error", f"labelled dflash, but its weights hold a DSpark Markov head ({markov[0]}, "
+                "...): an engine builds a DFlash drafter from the label and refuses those tensors or drops the head, "
+                "and the slot convention it reads follows the wrong kind", ev,
+                "label it dspark (architectures Qwen3DSparkModel, or draftsmith export from the run)")
+        return
     _check_layers(out, t, ids, ids_evidence, ev, engine)
     _check_mask(out, t, mask, raw, kind, engine, ev)
     if engine == "llamacpp":
@@ -107,6 +117,26 @@ def check_block_drafter(out: Findings, engine: str, t: TargetShape, drafter: Pat
                                     markov_head_type=head, draft_vocab_full=full,
                                     num_speculative_tokens=num_speculative_tokens, on_cpu=on_cpu):
             out.add(f.id, f.severity, f.message, ev, f.fix, engine_fact=True)
+
+
+def _weight_names(drafter: Path) -> list[str]:
+    """The tensor names in the drafter's safetensors headers (none where they cannot be read)."""
+    from draftsmith.core.tensorfile import read_checkpoint_headers
+
+    try:
+        return sorted(read_checkpoint_headers(drafter)[0])
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def check_block_weights(out: Findings, drafter: Path) -> None:
+    """The weights' headers against the file sizes: a truncated model.safetensors fails at load in every engine
+    (the config-only checks above cannot see it). A folder without weights (a metadata-only download) says nothing."""
+    from draftsmith.core.tensorfile import damaged_files
+
+    if bad := damaged_files(drafter):
+        out.add("block.weights", "error", f"the drafter's weights cannot be loaded: {'; '.join(bad[:3])}",
+                str(drafter), "copy the drafter again, or re-export it (a download or copy was cut short)")
 
 
 def _check_layers(out: Findings, t: TargetShape, ids: list[int] | None, evidence: str, ev: str,
@@ -173,6 +203,8 @@ def check_block_gguf(out: Findings, t: TargetShape, target_hidden: int | None, p
     out.facts.update(block_kind=kind, block_layout="gguf", block_slot=slot, block_layer_ids=ids,
                      block_size=f.get("dflash.block_size"), mask_token_id=f.get("tokenizer.ggml.mask_token_id"),
                      drafter_format=f"{kind} gguf", aux_layer_ids=ids)
+    if f.get("dflash.block_size") is not None and (problem := bf.block_size_problem(f["dflash.block_size"])):
+        out.add("block.size", "error", problem, f"{path}: dflash.block_size", "export with draftsmith export")
     if not ids:
         out.add("block.layers", "error", "no dflash.target_layers: llama.cpp refuses the drafter (\"DFlash model "
                 "requires 'target_layers' in GGUF metadata\")", ev, "export with draftsmith export --format gguf")

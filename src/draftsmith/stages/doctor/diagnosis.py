@@ -9,7 +9,7 @@ from pathlib import Path
 from draftsmith.core import vllm_facts
 from draftsmith.core.pysource import VllmSource
 from draftsmith.stages.doctor.aux_checks import check_aux_layers
-from draftsmith.stages.doctor.block_checks import TargetShape, check_block_drafter, is_block_dir
+from draftsmith.stages.doctor.block_checks import TargetShape, check_block_drafter, check_block_weights, is_block_dir
 from draftsmith.stages.doctor.drafter_checks import check_drafter_config, check_vocab_mapping, check_weights
 from draftsmith.stages.doctor.engine_checks import check_vllm_target
 from draftsmith.stages.doctor.hub import HubModel, download_hint, resolve_hub
@@ -81,6 +81,7 @@ def _run_checks(out: Findings, engine: EngineFacts, target_dir: Path, drafter_di
     if block:  # a DFlash/DSpark drafter: its own checks (the EAGLE-3 ones do not apply)
         check_block_drafter(out, engine.name, TargetShape.of(t), drafter_dir, engine_version=engine.version,
                             on_cpu=engine.name == "vllm" and _vllm_on_cpu())
+        check_block_weights(out, drafter_dir)
         return
     d = load_drafter(out, drafter_dir, drafter_hub) if drafter_dir is not None else None
     if d is None:

@@ -16,7 +16,7 @@ from draftsmith.core import vllm_facts
 from draftsmith.core.conventions import NORM_SWITCHES, canonical_weight_name, layer_kinds
 from draftsmith.core.layouts import detect_layout
 from draftsmith.core.pysource import VllmSource
-from draftsmith.core.tensorfile import TensorInfo, read_checkpoint_headers
+from draftsmith.core.tensorfile import TensorInfo, damaged_files, read_checkpoint_headers
 from draftsmith.stages.doctor.hfsource import HFSource
 from draftsmith.stages.doctor.hub import HubModel
 from draftsmith.stages.doctor.report import Findings
@@ -242,6 +242,10 @@ def load_drafter(out: Findings, path: Path, hub: HubModel | None = None) -> Draf
         weights, weights_file = None, "model.safetensors"
         out.add("drafter.weights", "error", f"the drafter's weights cannot be read: {e}", str(path),
                 "re-export the drafter (draftsmith export) into an empty directory")
+    else:  # the header reads, but the data it points at may be cut short (an interrupted copy)
+        if bad := damaged_files(path):
+            out.add("drafter.weights", "error", f"the drafter's weights cannot be loaded: {'; '.join(bad[:3])}",
+                    str(path), "copy the drafter again, or re-export it (a download or copy was cut short)")
     hidden, vocab = cfg.get("hidden_size"), cfg.get("vocab_size")
     d = DrafterFiles(path=path, raw=raw, format=fmt, cfg=cfg, weights=weights, weights_file=weights_file,
                      names={} if weights is None else _canonical(weights), hidden=hidden, vocab=vocab,

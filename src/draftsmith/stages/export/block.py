@@ -29,6 +29,7 @@ from draftsmith import __version__
 from draftsmith.core import block_facts as bf
 from draftsmith.core.conventions import ConventionError
 from draftsmith.core.layouts import MANIFEST_FILE, WEIGHTS_FILE
+from draftsmith.stages.export.checkpoint import check_finite
 
 BLOCK_FORMATS = ("vllm", "speculators", "sglang")
 BLOCK_IMPORT_FORMATS = ("zlab", "deepspec", "speculators", "vllm", "sglang")
@@ -68,6 +69,8 @@ class BlockSpec:
         if self.kind not in bf.KINDS:
             raise ExportError(f"unknown block drafter kind {self.kind!r}; one of {', '.join(bf.KINDS)}")
         bf.check_slot(self.slot)
+        if problem := bf.block_size_problem(self.block_size):
+            raise ExportError(f"{problem}; retrain, or correct the drafter's config.json")
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
         if self.kind == "dspark" and self.markov_rank > 0 and self.markov_head_type not in bf.MARKOV_TYPES:
             raise ExportError(f"unknown Markov head type {self.markov_head_type!r}; one of {bf.MARKOV_TYPES}")
@@ -92,12 +95,17 @@ class BlockCheckpoint:
         if missing:
             raise ExportError(f"{self.source}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
         extra = sorted(set(self.state) - set(want))
+        if self.spec.kind == "dflash" and any("markov" in n for n in extra):
+            raise ExportError(f"{self.source}: labelled dflash, but it holds a DSpark Markov head "
+                              f"({next(n for n in extra if 'markov' in n)}): label it dspark (architectures "
+                              "Qwen3DSparkModel)")
         if extra:
             raise ExportError(f"{self.source}: tensors with no place in a {self.spec.kind} drafter: {extra[:4]}")
         for name, shape in want.items():
             got = tuple(self.state[name].shape)
             if got != shape:
                 raise ExportError(f"{self.source}: {name} has shape {got}, the config says {shape}")
+        check_finite(self.state, self.source)
         return self
 
 
@@ -226,6 +234,12 @@ def check_layout(s: BlockSpec, fmt: str) -> None:
     if fmt != "speculators":
         bf.to_output_layer_ids(s.aux_layer_ids)  # refuses layer 0, which output-of-layer numbering cannot say
     ids = list(s.aux_layer_ids)
+    n = s.num_target_layers  # from the drafter's target fingerprint, where it has one
+    if n is not None and any(not 0 <= i < n for i in ids):
+        raise ExportError(f"target layers {ids} (input of layer L) fall outside the target's {n} layers (the "
+                          "drafter's target fingerprint): every engine would refuse it or read other states")
+    if problem := bf.mask_token_problem(s.mask_token_id, s.vocab_size, None):
+        raise ExportError(problem)
     if ids != sorted(set(ids)):
         raise ExportError(f"target layers {ids} are not strictly increasing: vLLM concatenates the target's states "
                           "in layer order whatever the config lists, so fc would read its inputs permuted")

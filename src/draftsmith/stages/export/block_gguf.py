@@ -121,8 +121,10 @@ def block_gguf_tensors(ckpt: BlockCheckpoint) -> dict[str, torch.Tensor]:
 def export_block_gguf(ckpt: BlockCheckpoint, out: str | Path, *, target: str | Path, dtype: str = "bf16",
                       overwrite: bool = False, card: dict | None = None) -> BlockGgufReport:
     """Write ``ckpt`` as one ``dflash`` GGUF; ``target`` is the target's GGUF (its tokenizer goes into the draft).
-    The model card goes beside it, unless that folder holds a README.md that is not a draftsmith card."""
+    The model card goes beside it; a README.md of the user's there is kept (``card.updated_readme``)."""
     from gguf import GGUFWriter
+
+    from draftsmith.stages.export.card import shown_path
 
     if dtype not in GGUF_DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(GGUF_DTYPES)}")
@@ -150,7 +152,7 @@ def export_block_gguf(ckpt: BlockCheckpoint, out: str | Path, *, target: str | P
         arr, raw = _array(name, t, _DTYPES.get(dtype, dtype))
         w.add_tensor(name, arr, raw_dtype=raw)
     finish_gguf(w, tmp, out)
-    _write_card(ckpt, out, target, str(tgt.path), card)
+    _write_card(ckpt, out, target, shown_path(tgt.path), card)
     return BlockGgufReport(path=out, kind=s.kind, tensors=sorted(tensors), dtype=dtype,
                            target_layers=list(s.aux_layer_ids), slot=s.slot, draft_max=s.drafts, target=str(tgt.path))
 
@@ -181,11 +183,9 @@ def _write_keys(w, ckpt: BlockCheckpoint) -> None:
 
 def _write_card(ckpt: BlockCheckpoint, out: Path, target, target_gguf: str, card: dict | None) -> None:
     from draftsmith.stages.export.block import _card_facts
-    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, write_card
+    from draftsmith.stages.export.card import write_card
 
     folder = out.parent
-    if (folder / CARD_FILE).exists() and not (folder / CARD_JSON).exists():
-        return  # the user's README
     extra = dict(card or {})
     if not extra.get("base_model") and str(target) == "smollm2":
         from draftsmith.stages.export.card import base_model_of

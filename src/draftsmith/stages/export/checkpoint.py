@@ -32,6 +32,15 @@ ExportError = ConventionError
 
 
 # --- the canonical in-memory checkpoint -----------------------------------------------------------------
+
+def check_finite(state: dict, source) -> None:
+    """Weights holding NaN or infinities (a diverged run, a damaged file) load in every engine and draft garbage,
+    silently: refused before anything is written."""
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ExportError(f"{source}: {name} holds NaN or infinite values (a run that diverged, or a damaged "
+                              "file): export a checkpoint from before it")
+
 @dataclass
 class DrafterCheckpoint:
     """A drafter as plain data: config plus tensors under draftsmith's names (``layers.0.*``, ``d2t``, ``t2d``).
@@ -69,6 +78,12 @@ class DrafterCheckpoint:
         cfg = self.config
         if not self.aux_known:  # fc's width needs a count; the ids themselves stay unknown
             cfg = dataclasses.replace(cfg, aux_layer_ids=tuple(range(self.n_aux)))
+        check_finite(self.state, self.source)
+        n = (cfg.target or {}).get("num_layers")
+        if self.aux_known and isinstance(n, int) and any(not 0 <= i < n for i in cfg.aux_layer_ids):
+            raise ExportError(f"{self.source}: aux layer ids {list(cfg.aux_layer_ids)} fall outside the {n} layers of "
+                              f"the target its fingerprint names (valid 0..{n - 1}): every engine would refuse it or "
+                              "read other states")
         dv = vocab_mod.DraftVocab(d2t=self.state["d2t"], t2d=self.state["t2d"])
         drafter = Eagle3Drafter(cfg, draft_vocab=dv, own_embedding=self.has_own_embedding).to(self.dtype)
         try:

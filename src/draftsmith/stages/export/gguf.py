@@ -234,18 +234,22 @@ def read_drafter(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path) -> tup
 
 
 def export_gguf(drafter: Eagle3Drafter | DrafterCheckpoint | str | Path, out: str | Path, *,
-                target: str | Path, dtype: str = "bf16", num_speculative_tokens: int = 3,
+                target: str | Path, dtype: str = "bf16", num_speculative_tokens: int | None = None,
                 overwrite: bool = False, card: dict | None = None) -> GgufExportReport:
     """Write ``drafter`` as one EAGLE-3 GGUF file for llama.cpp; ``target`` is the target's GGUF (or 'smollm2').
 
-    The model card (README.md + drafter_card.json, ``card``: its extra facts) goes beside the file, unless that
-    folder already holds a README.md that is not a draftsmith card (a .gguf written into a folder of the user's).
+    The model card (drafter_card.json and README.md, ``card``: its extra facts) goes beside the file; a README.md
+    of the user's there is kept (``card.updated_readme``).
     """
     from gguf import GGUFWriter
 
     if dtype not in GGUF_DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(GGUF_DTYPES)}")
-    check_draft_max(num_speculative_tokens, "--num-speculative-tokens")
+    from draftsmith.stages.export.card import chain_k
+
+    if num_speculative_tokens is not None:
+        check_draft_max(num_speculative_tokens, "--num-speculative-tokens")
+    num_speculative_tokens = chain_k(num_speculative_tokens, drafter, (card or {}).get("decoded"))
     ckpt, switches = read_drafter(drafter)
     tgt = read_target_gguf(target)
     ids = check_servable(ckpt, switches, tgt)
@@ -329,17 +333,15 @@ def _gguf_arch(path: Path) -> str | None:
 
 def _write_card(out: Path, ckpt: DrafterCheckpoint, drafter, target: str | Path, tgt: TargetGguf, k: int,
                 card: dict | None) -> None:
-    from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, base_model_of, card_facts, write_card
+    from draftsmith.stages.export.card import base_model_of, card_facts, shown_path, write_card
 
     folder = out.parent
-    if (folder / CARD_FILE).exists() and not (folder / CARD_JSON).exists():
-        return
     extra = dict(card or {})
     base = extra.pop("base_model", None) or base_model_of(target if str(target) == "smollm2" else None)
     source = drafter if isinstance(drafter, (str, Path)) else None
-    line = shlex.join(llama_server_argv(str(tgt.path), str(out.resolve()), k))
+    line = shlex.join(llama_server_argv(shown_path(tgt.path), shown_path(out), k))
     write_card(folder, card_facts(fmt="gguf", out=out, drafter_config=ckpt.config, source=source, base_model=base,
-                                  num_speculative_tokens=k, files=[out.name], target_gguf=str(tgt.path),
+                                  num_speculative_tokens=k, files=[out.name], target_gguf=shown_path(tgt.path),
                                   llama_line=line, d2t=ckpt.state.get("d2t"), **extra))
 
 

@@ -124,15 +124,19 @@ def openvino_target(target: str | Path, weight_format: str = "fp32", *, python: 
 def export_openvino(drafter, out: str | Path, *, target: str | Path, weight_format: str = "fp32",
                     overwrite: bool = False, python: str | Path | None = None,
                     with_target: bool = False, card: dict | None = None,
-                    num_speculative_tokens: int = 3) -> OpenVinoExportReport:
+                    num_speculative_tokens: int | None = None) -> OpenVinoExportReport:
     """Write ``drafter`` (object or directory) as GenAI's draft IR into ``out``; ``target``: HF folder or smollm2.
     The model card (README.md + drafter_card.json; ``card``: its extra facts) is written into the folder before it
     is swapped in, so the IR never sits under another export's card."""
     from draftsmith.integrations.openvino import optimum_export, run_worker
+    from draftsmith.stages.export.card import CARD_FILE
     from draftsmith.stages.export.gguf import read_drafter
 
     if weight_format not in WEIGHT_FORMATS:
         raise UsageError(f"--openvino-weights {weight_format}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    from draftsmith.stages.export.card import chain_k
+
+    num_speculative_tokens = chain_k(num_speculative_tokens, drafter, (card or {}).get("decoded"))
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out}: not empty; pass --force to replace it")
@@ -155,6 +159,8 @@ def export_openvino(drafter, out: str | Path, *, target: str | Path, weight_form
         atomic_write(ir / "draftsmith-export.json", (json.dumps(manifest, indent=2) + "\n").encode())
         _write_card(ir, out, ckpt, drafter, target, num_speculative_tokens, card, seen.get("versions", {}))
         if out.exists():
+            if (out / CARD_FILE).is_file() and not (ir / CARD_FILE).exists():  # the user's README.md, kept
+                shutil.copy2(out / CARD_FILE, ir / CARD_FILE)
             shutil.rmtree(out)
         os.replace(ir, out)  # the folder appears whole or not at all
     finally:
@@ -173,9 +179,10 @@ def _write_card(ir: Path, out: Path, ckpt, drafter, target, k: int, card: dict |
     source = drafter if isinstance(drafter, (str, Path)) else None
     files = sorted(p.name for p in ir.iterdir() if p.is_file())
     engines = {"openvino-genai": versions["openvino-genai"]} if versions.get("openvino-genai") else None
-    write_card(ir, card_facts(fmt="openvino", out=out, drafter_config=ckpt.config, source=source, base_model=base,
-                              num_speculative_tokens=k, files=files, d2t=ckpt.state.get("d2t"),
-                              **({"engines": engines} if engines and "engines" not in extra else {}), **extra))
+    facts = card_facts(fmt="openvino", out=out, drafter_config=ckpt.config, source=source, base_model=base,
+                       num_speculative_tokens=k, files=files, d2t=ckpt.state.get("d2t"),
+                       **({"engines": engines} if engines and "engines" not in extra else {}), **extra)
+    write_card(ir, facts, beside=out if out.is_dir() else None)
 
 
 def _check_ir(seen: dict, genai_ids: list[int], ckpt) -> str | None:

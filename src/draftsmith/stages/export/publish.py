@@ -45,17 +45,24 @@ def _http_library():
     return getattr(_http, "httpx2", None) or _http.httpx
 
 
+def hub_repo(repo_id: str):
+    """``repo_id`` as a hub reference, or ExportError: export checks it before writing (the id goes into the card's
+    serve lines), and an empty one is no way to skip the push."""
+    from draftsmith.stages.doctor.hub import parse_hub_id
+
+    ref = parse_hub_id(repo_id) if repo_id else None
+    if ref is None or ref.revision:
+        raise ExportError(f"--push-to-hub {repo_id!r}: give a hub repo id, ORG/NAME")
+    return ref
+
+
 def push_to_hub(folder: str | Path, repo_id: str, *, private: bool | None = None,
                 commit_message: str | None = None) -> str:
     """Create ``repo_id`` (a model repo; kept if it exists) and upload ``folder``; returns the commit's URL."""
     from huggingface_hub import HfApi
 
-    from draftsmith.stages.doctor.hub import parse_hub_id
-
     folder = Path(folder)
-    ref = parse_hub_id(repo_id)
-    if ref is None or ref.revision:
-        raise ExportError(f"--push-to-hub {repo_id!r}: give a hub repo id, ORG/NAME")
+    ref = hub_repo(repo_id)
     if not (folder / CARD_FILE).is_file() or not (folder / CARD_JSON).is_file():
         raise ExportError(f"{folder}: no model card to push (export writes {CARD_FILE} and {CARD_JSON})")
     from huggingface_hub.errors import HfHubHTTPError

@@ -82,7 +82,7 @@ def export_drafter(
     embeddings: torch.Tensor | None = None,
     verifier: str | None = None,
     verifier_architectures: list[str] | None = None,
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int | None = None,
     overwrite: bool = False,
     card: dict | None = None,
 ) -> ExportReport:
@@ -92,7 +92,13 @@ def export_drafter(
     drafter shares the target's (engines otherwise share it themselves). A drafter with its own embedding
     (another width than the target's) always carries it: engines could not share the target's.
     ``card``: extra facts for the model card (``card_facts``' keywords: license, bench_reports, repo_id, base_model).
+    ``num_speculative_tokens``: default 3, or less where the card holds numbers only that far (``card.chain_k``).
     """
+    from draftsmith.stages.export.card import chain_k
+
+    if num_speculative_tokens is not None:
+        _check_options(fmt, dtype, num_speculative_tokens)
+    num_speculative_tokens = chain_k(num_speculative_tokens, drafter, (card or {}).get("decoded"))
     _check_options(fmt, dtype, num_speculative_tokens)
     ckpt, out = _setup_checkpoint(drafter, out)
     notes = _setup_notes(ckpt, fmt, verifier)
@@ -389,14 +395,11 @@ def _write(out: Path, config: dict, state: dict[str, torch.Tensor], manifest: di
         atomic_write(staging / WEIGHTS_FILE, st_save(state, metadata={"format": "pt"}))
         atomic_write(staging / "config.json", (json.dumps(config, indent=2) + "\n").encode())
         atomic_write(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
-        if card is not None:
-            write_card(staging, card)
+        if card is not None:  # README.md: the card's part replaced, a user's sections (or README) kept
+            write_card(staging, card, beside=out if out.is_dir() else None)
         if out.is_dir():
-            # A README.md that no export wrote is the user's: kept (the card's facts are in drafter_card.json).
-            users_readme = (out / CARD_FILE).exists() and not (out / CARD_JSON).exists()
-            if users_readme and card is not None:
-                (staging / CARD_FILE).unlink()
-            carry_over(out, staging, skip=ours | {CARD_JSON} | (set() if users_readme else {CARD_FILE}))
+            written = {CARD_FILE} if (staging / CARD_FILE).exists() else set()
+            carry_over(out, staging, skip=ours | {CARD_JSON} | written)
         replace_dir(staging, out)
     finally:
         if staging.exists():

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from draftsmith.core.processes import child_options
 from draftsmith.data.chat import assistant_turn_prefix, encode_rendered, stop_tokens
 from draftsmith.stages.generate.config import GenerateError, _TurnTooLong
 from draftsmith.stages.generate.jobs import _derive_seed, _Job, _Outcome, _Reply
@@ -300,7 +301,8 @@ class VllmBackend(_TokenBackend):
         self._log = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self._proc = subprocess.Popen([str(python), str(worker), json.dumps(opts)], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
+                                          stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+                                          **child_options())
         except OSError as exc:
             raise GenerateError(f"cannot start vLLM with {python}: {exc}") from None
         ready = self._read()

@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.core.block_facts import BLOCK_SIZE_MAX, BLOCK_SIZE_MIN
 from draftsmith.core.errors import DraftsmithError
 
 
@@ -36,6 +37,7 @@ _TTT_WHY = ("acceptance decays geometrically with the draft position, so past a 
 _ACCUM_WHY = "an optimizer step over more micro-batches is a larger --batch-tokens"
 _COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KINDS = ("eagle3", "dflash", "dspark")
+MAX_MARKOV_RANK = 4096
 BLOCK_KINDS = ("dflash", "dspark")
 # The block kinds' loss defaults: DeepSpec's recipe (its DFlash baseline: CE only).
 # The model's own fields (block size, layers, Markov head) default in model/block_drafter.py.
@@ -136,7 +138,8 @@ class TrainConfig:
                                  "dspark (a block of tokens per pass, trained on random anchors)", choices=KINDS)
     block_size: int | None = option(None, "dflash/dspark: query slots per block: the anchor (the last known token) "
                                            "and block_size - 1 mask tokens; dflash drafts block_size - 1 tokens, "
-                                           "dspark block_size (default 8 dflash, 7 dspark)", lo=2, hi=64,
+                                           "dspark block_size (default 8 dflash, 7 dspark)", lo=BLOCK_SIZE_MIN,
+                                    hi=BLOCK_SIZE_MAX,
                                     why="every slot costs drafter compute in every layer and acceptance decays "
                                         "with the slot")
     draft_layers: int | None = option(None, "dflash/dspark: decoder layers of a new drafter (default 2)", lo=1,
@@ -148,7 +151,8 @@ class TrainConfig:
     mask_token_id: int | None = option(None, "dflash/dspark: the token id that fills a block's draft slots "
                                              "(default: the model's choice)", lo=0)
     markov_rank: int | None = option(None, "dspark: rank of the Markov head (previous token -> logit bias; "
-                                           "default 256; 0: none)", lo=0)
+                                           "default 256; 0: none)", lo=0, hi=MAX_MARKOV_RANK,
+                                     why="a low-rank bias: two vocabulary x rank tables, and DeepSpec's rank is 256")
     markov_head_type: str | None = option(None, "dspark: vanilla (bias from the previous token; what vLLM and "
                                                 "llama.cpp read), gated or rnn (DeepSpec's; default vanilla)",
                                           choices=("vanilla", "gated", "rnn"))

@@ -35,6 +35,18 @@ from draftsmith.stages.train.logs import MetricsLog
 from draftsmith.stages.train.threads import ThreadTuner, thread_choices
 
 
+def _last_good(out: Path) -> str:
+    """Where a stopped run's last good checkpoint is, or that it has none yet (no directory named that is not)."""
+    from draftsmith.stages.train.checkpoints import newest_checkpoint
+
+    try:
+        ckpt = newest_checkpoint(out)
+    except TrainError:
+        ckpt = None
+    return (f"the last good checkpoint is {ckpt} (--resume continues from it)" if ckpt is not None
+            else "no checkpoint was written before it (the loss diverged before the first --save-every)")
+
+
 def dist_info() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -253,8 +265,8 @@ def train_loop(run: Run) -> dict:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.autocast):
                     loss, s = run.objective(drafter, batch, run.teacher(batch))
                 if not torch.isfinite(loss):
-                    raise TrainError(f"loss is {float(loss.detach())} at step {state['step'] + 1}: stopped; the last "
-                                     f"good checkpoint is in {out / 'checkpoints'} (try a lower lr)")
+                    raise TrainError(f"loss is {float(loss.detach())} at step {state['step'] + 1}: stopped; "
+                                     f"{_last_good(out)} (try a lower lr)")
                 (loss / cfg.grad_accum).backward()
                 stats.add(s)
                 step_tokens += batch.num_tokens
