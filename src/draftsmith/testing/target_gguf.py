@@ -1,0 +1,144 @@
+"""A tiny Hugging Face LFM2 target written as the F32 GGUF llama.cpp serves, for the engine tests of hybrid targets.
+
+Test-only on purpose: a user converts a real target with llama.cpp's own ``convert_hf_to_gguf.py`` (it knows every
+architecture and recognises real tokenizers' pre-tokenizers); the tests need a target no hub provides, converted
+without network. The facts come from llama.cpp (``convert_hf_to_gguf.py``'s LFM2 model, ``src/models/lfm2.cpp``,
+gguf-py's tensor map); the code is draftsmith's:
+  * keys ``lfm2.{context_length, embedding_length, feed_forward_length, block_count, vocab_size}``,
+    ``lfm2.attention.{head_count, layer_norm_rms_epsilon}``, ``lfm2.rope.freq_base``, ``lfm2.shortconv.l_cache``
+    (``conv_L_cache``) and ``lfm2.attention.head_count_kv`` as an array with 0 at every convolution layer: that 0
+    is how llama.cpp tells a recurrent layer from an attention one;
+  * per layer ``attn_norm`` (operator_norm), ``ffn_norm``, ``ffn_{gate,up,down}`` (w1, w3, w2), and either
+    ``shortconv.{conv,in_proj,out_proj}`` (the depthwise kernel squeezed to 2-D) or ``attn_{q,k,v,output}`` with
+    ``attn_{q,k}_norm``; ``token_embd``, ``token_embd_norm`` (LFM2's final norm, HF ``embedding_norm``), ``output``;
+  * q and k rows stay in Hugging Face's rotate-half order: llama.cpp ropes LFM2 in NEOX order (no permutation);
+  * the tokenizer as a ``gpt2`` byte-level BPE with the GPT-2 pre-tokenizer, which is what the tiny test tokenizers
+    (``testing/tokenizer.py``) are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCH = "lfm2"
+_LAYER = {  # HF name under model.layers.{i}. -> GGUF name under blk.{i}.
+    "operator_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight",
+    "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+    "conv.conv.weight": "shortconv.conv.weight",
+    "conv.in_proj.weight": "shortconv.in_proj.weight",
+    "conv.out_proj.weight": "shortconv.out_proj.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.out_proj.weight": "attn_output.weight",
+    "self_attn.q_layernorm.weight": "attn_q_norm.weight",
+    "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.embedding_norm.weight": "token_embd_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+class TargetGgufError(ValueError):
+    """The model directory is not one this converter writes (another architecture, tokenizer or layout)."""
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name for one of a Hugging Face LFM2 checkpoint's tensors."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    parts = hf_name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER:
+        return f"blk.{int(parts[2])}.{_LAYER[parts[3]]}"
+    raise TargetGgufError(f"{hf_name}: no place for this tensor in llama.cpp's {ARCH} graph")
+
+
+def lfm2_tensors(state: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+    """Every tensor under its GGUF name, F32, the convolution kernel squeezed to (channels, width)."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach().float()
+        if name.endswith("conv.conv.weight"):
+            t = t.squeeze(1)  # (C, 1, L) -> (C, L): ggml_ssm_conv takes a 2-D kernel
+        out[gguf_tensor_name(name)] = t.contiguous()
+    if "output.weight" not in out and tie_word_embeddings:
+        out["output.weight"] = out["token_embd.weight"]
+    return out
+
+
+def _add_hparams(w, cfg: dict, ffn: int) -> None:
+    types = cfg["layer_types"]
+    w.add_context_length(int(cfg["max_position_embeddings"]))
+    w.add_embedding_length(int(cfg["hidden_size"]))
+    w.add_feed_forward_length(ffn)
+    w.add_block_count(int(cfg["num_hidden_layers"]))
+    w.add_head_count(int(cfg["num_attention_heads"]))
+    w.add_head_count_kv([0 if t == "conv" else int(cfg["num_key_value_heads"]) for t in types])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))))
+    w.add_layer_norm_rms_eps(float(cfg["norm_eps"]))
+    w.add_vocab_size(int(cfg["vocab_size"]))
+    w.add_shortconv_l_cache(int(cfg["conv_L_cache"]))
+    w.add_file_type(0)  # ALL_F32
+
+
+def add_tokenizer(w, model_dir: Path) -> None:
+    """The byte-level BPE of ``tokenizer.json`` as llama.cpp's ``gpt2`` tokenizer, with its special tokens and chat
+    template (gguf-py's SpecialVocab reads those from the HF files)."""
+    from gguf import SpecialVocab, TokenType
+
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    model, pre = spec.get("model", {}), spec.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
+        raise TargetGgufError(f"{model_dir}: only a byte-level BPE tokenizer with the GPT-2 split converts here")
+    vocab = dict(model["vocab"])
+    added = {a["id"]: a for a in spec.get("added_tokens", [])}
+    vocab.update({a["content"]: i for i, a in added.items()})
+    by_id = {i: s for s, i in vocab.items()}
+    if sorted(by_id) != list(range(len(by_id))):
+        raise TargetGgufError(f"{model_dir}: the tokenizer's ids are not contiguous")
+    tokens = [by_id[i] for i in range(len(by_id))]
+    types = [(TokenType.CONTROL if added[i].get("special") else TokenType.USER_DEFINED) if i in added
+             else TokenType.NORMAL for i in range(len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    SpecialVocab(model_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+
+
+def write_target_gguf(model_dir: str | Path, out: str | Path) -> Path:
+    """Write the Hugging Face LFM2 model in ``model_dir`` (config.json, model.safetensors, tokenizer.json) as one
+    F32 GGUF at ``out``."""
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    model_dir, out = Path(model_dir), Path(out)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") != ARCH:
+        raise TargetGgufError(f"{model_dir}: model_type {cfg.get('model_type')!r}; this converter writes {ARCH} only")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise TargetGgufError(f"{model_dir}: no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    tensors = lfm2_tensors(state, bool(cfg.get("tie_word_embeddings", False)))
+    ffn = int(tensors["blk.0.ffn_gate.weight"].shape[0])  # the built width (HF may have auto-adjusted block_ff_dim)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(out, ARCH)
+    w.add_name(f"tiny {ARCH} (draftsmith test target)")
+    _add_hparams(w, cfg, ffn)
+    add_tokenizer(w, model_dir)
+    for name, t in tensors.items():
+        w.add_tensor(name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
