@@ -142,3 +142,53 @@ def write_target_gguf(model_dir: str | Path, out: str | Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# --- a fitted LFM2 pair for llama.cpp: the tiny target fitted to a chat corpus, a drafter fitted to its answers ------
+LFM2_TARGET_STEPS = 300  # fit the tiny target so that its greedy answers vary with the prompt (random: one answer)
+LFM2_TARGET_LR = 6e-3
+
+
+def lfm2_llamacpp_world(root: str | Path, n_prompts: int = 6, new_tokens: int = 48) -> dict:
+    """A tiny LFM2 target (4 layers: three short-convolution layers, then attention) fitted to ``tiny_chat_corpus``,
+    its F32 GGUF, chat prompts (held-out conversations' user turns, as token ids), plain greedy answers (up to the
+    end-of-turn token), and an EAGLE-3 drafter fitted to those answers (``fit_chain_drafter``) exported as an fp32
+    GGUF. Built once per folder."""
+    from draftsmith.core import vocab as vocab_mod
+    from draftsmith.model.target import load_target
+    from draftsmith.stages.decode import SpeculativeDecoder
+    from draftsmith.stages.export.gguf import export_gguf
+    from draftsmith.testing.models import build_tiny_model, fit_tiny_chat_model, tiny_chat_corpus
+    from draftsmith.testing.planted import fit_chain_drafter
+    from draftsmith.testing.tokenizer import make_tokenizer
+
+    root = Path(root)
+    model_dir, tok = root / "target", make_tokenizer("chatml")
+    if not (model_dir / "config.json").is_file():
+        model = build_tiny_model(ARCH, num_hidden_layers=4, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        fit_tiny_chat_model(model, tok, LFM2_TARGET_STEPS, lr=LFM2_TARGET_LR)
+        model.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+    target_gguf = root / "target.gguf"
+    if not target_gguf.is_file():
+        write_target_gguf(model_dir, target_gguf)
+    target = load_target(str(model_dir), pack=False, dtype=torch.float32)
+    convs = tiny_chat_corpus(n_prompts, seed=999)  # the target was fitted on seeds 10_000 and up
+    prompts = [list(tok.apply_chat_template(c[:1], add_generation_prompt=True, return_dict=True)["input_ids"])
+               for c in convs]
+    eos = [tok.eos_token_id]
+    plain = SpeculativeDecoder(target)
+    answers = [plain.generate(p, max_new_tokens=new_tokens, eos_token_ids=eos).token_ids for p in prompts]
+    drafter_dir = root / "drafter"
+    if not (drafter_dir / "config.json").is_file():
+        seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+        kept = torch.cat([torch.tensor([t for s in seqs for t in s]), torch.arange(64)])
+        drafter, _ = fit_chain_drafter(target, vocab_mod.from_target_ids(kept, target.vocab_size), seqs)
+        drafter.save(drafter_dir)
+    drafter_gguf = root / "drafter.gguf"
+    if not drafter_gguf.is_file():
+        export_gguf(drafter_dir, drafter_gguf, target=target_gguf, dtype="fp32")
+    return {"target": target, "model_dir": model_dir, "target_gguf": target_gguf, "drafter_dir": drafter_dir,
+            "drafter_gguf": drafter_gguf, "prompts": prompts, "answers": answers, "eos": eos, "tokenizer": tok,
+            "new_tokens": new_tokens}
