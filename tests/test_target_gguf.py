@@ -89,3 +89,17 @@ def test_refuses_what_it_does_not_write(tmp_path):
         write_target_gguf(llama, tmp_path / "x.gguf")
     with pytest.raises(TargetGgufError, match="no place"):
         gguf_tensor_name("model.layers.0.mamba.in_proj.weight")
+
+
+def test_llama_cpp_passes_not_short_when_drafts_past_a_stop_token_are_counted():
+    """A measured LFM2 request: 28 tokens ending at the end-of-turn token, 8 rounds of 3 drafts, 20 drafts counted
+    accepted of which one lay past the end-of-turn token. 28 - 1 - 20 = 7 passes would put tau at 3.86, not 3.38."""
+    from draftsmith.integrations.llamacpp import EngineRun
+
+    run = EngineRun(text="", completion_tokens=28, predicted_ms=1.0, prompt_ms=1.0, draft_n=24, draft_n_accepted=20,
+                    k=3)
+    assert run.verify_passes == 8 and run.accepted_emitted == 19 and run.acceptance_length == 1 + 19 / 8
+    # a request cut by n_predict: its last round drafted fewer than k, the emitted count is exact
+    assert EngineRun(text="", completion_tokens=32, predicted_ms=1.0, prompt_ms=1.0, draft_n=23, draft_n_accepted=23,
+                     k=3).verify_passes == 8
+    assert EngineRun(text="", completion_tokens=5, predicted_ms=1.0, prompt_ms=1.0).verify_passes == 4  # plain
