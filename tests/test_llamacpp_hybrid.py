@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("xllamacpp")
 pytest.importorskip("gguf")
 
-from draftsmith.integrations.llamacpp import LlamaCppEngine  # noqa: E402
+from draftsmith.integrations.llamacpp import LlamaCppEngine, verify_passes  # noqa: E402
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder  # noqa: E402
 from draftsmith.testing.target_gguf import lfm2_llamacpp_world  # noqa: E402
 
@@ -60,8 +60,9 @@ def test_served_acceptance_within_5_percent_of_draftsmith(world):
     """Verify passes per prompt, the engine's against draftsmith's chain of the same length.
 
     llama.cpp drafts ``K`` tokens every round here (``draft.n_min`` 0, ``p_min`` 0, answers end at the end-of-turn
-    token well before ``n_predict``), so its rounds are ``draft_n / K``. Its ``draft_n_accepted`` is not used for
-    the passes: it can count drafts accepted past the end-of-turn token that were never emitted.
+    token well before ``n_predict``), so its rounds are exactly ``draft_n / K``: what ``EngineRun.verify_passes``
+    counts (``completion - 1 - draft_n_accepted`` alone comes out short: llama.cpp counts drafts accepted past
+    the end-of-turn token).
     """
     from draftsmith.model.drafter import load_drafter
 
@@ -74,6 +75,7 @@ def test_served_acceptance_within_5_percent_of_draftsmith(world):
         assert r.token_ids == answer
         got, t = _tokens(spec, prompt, world["new_tokens"])
         assert got == answer and t["draft_n"] % K == 0, t
+        assert verify_passes(len(got), t["draft_n"], t["draft_n_accepted"], K) == t["draft_n"] // K, t
         emitted += len(answer) - 1  # the first token comes from prefill in both
         passes_ours, passes_engine = passes_ours + len(r.accepted_per_step), passes_engine + t["draft_n"] // K
     tau_ours, tau_engine = emitted / passes_ours, emitted / passes_engine
@@ -87,3 +89,18 @@ def test_doctor_passes_the_pair_llama_cpp_serves(world):
 
     report = diagnose_llamacpp(world["target_gguf"], world["drafter_gguf"])
     assert not report.blocking, report.summary()
+
+
+def test_check_passes_the_pair_with_output_equal_to_plain(world):
+    """``draftsmith check`` on the hybrid pair: llama.cpp's output equals plain (no divergence, no near-tie flip
+    needed), and served acceptance is draftsmith's own."""
+    from draftsmith.stages.check import CheckOptions, run_check
+
+    r = run_check(CheckOptions(engine="llamacpp", target=str(world["target_gguf"]), drafter=str(world["drafter_gguf"]),
+                               prompts=world["prompts"], k=K, max_new_tokens=world["new_tokens"],
+                               draftsmith_target=str(world["model_dir"]), reference_drafter=str(world["drafter_dir"])))
+    d = r.to_dict()
+    print(f"check on lfm2: served tau {d['served_tau']:.3f}, draftsmith's {d['draftsmith_tau']:.3f}, {d['verdict']}")
+    assert d["equality"]["identical"] == d["equality"]["compared"] == len(world["prompts"]), d
+    assert d["verdict"] == "pass" and d["exit_code"] == 0, d
+    assert abs(d["served_tau"] - d["draftsmith_tau"]) <= 0.05 * d["draftsmith_tau"], d
