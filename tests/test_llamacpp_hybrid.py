@@ -1,10 +1,11 @@
-"""A hybrid target in llama.cpp itself (PyPI xllamacpp): a tiny LFM2 (short convolutions, then attention), converted
-by testing/target_gguf.py, served plain and with a draftsmith EAGLE-3 drafter exported by ``export --format gguf``.
+"""Hybrid targets in llama.cpp itself (PyPI xllamacpp): a tiny LFM2 (short convolutions, then attention) and a tiny
+Qwen3.5 (gated delta-net, then attention), converted by testing/target_gguf.py, served plain and with a draftsmith
+EAGLE-3 drafter exported by ``export --format gguf``.
 
-The bug class this guards: a speculative engine must put the convolution window back where the accepted prefix
-ends (llama.cpp shipped LFM2's window diverging at the first rejected token). So the drafter is fitted well but
-not perfectly: its runs reject drafts, and the output must still equal plain's, token for token. Served acceptance
-must be within 5% of draftsmith's own decoder on the same prompts.
+The bug class this guards: a speculative engine must put every recurrent state (convolution window, delta-net
+state) back where the accepted prefix ends (llama.cpp shipped LFM2's window diverging at the first rejected
+token). So the drafter is fitted well but not perfectly: its runs reject drafts, and the output must still equal
+plain's, token for token. Served acceptance must be within 5% of draftsmith's own decoder on the same prompts.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ pytest.importorskip("gguf")
 
 from draftsmith.integrations.llamacpp import LlamaCppEngine, verify_passes  # noqa: E402
 from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder  # noqa: E402
-from draftsmith.testing.target_gguf import lfm2_llamacpp_world  # noqa: E402
+from draftsmith.testing.target_gguf import hybrid_llamacpp_world  # noqa: E402
 
 pytestmark = pytest.mark.slow
 K = 3
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return lfm2_llamacpp_world(tmp_path_factory.mktemp("lfm2_llamacpp"))
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5_text"])
+def world(request, tmp_path_factory):
+    return hybrid_llamacpp_world(tmp_path_factory.mktemp(f"{request.param}_llamacpp"), request.param)
 
 
 def _tokens(engine: LlamaCppEngine, prompt: list[int], n: int) -> tuple[list[int], dict]:
@@ -43,7 +44,7 @@ def test_plain_llama_cpp_decodes_what_transformers_decodes(world):
     assert len({tuple(a) for a in world["answers"]}) > 1  # the fitted target answers prompts differently
 
 
-def test_eagle3_on_lfm2_keeps_plain_output_through_rejections(world):
+def test_eagle3_keeps_plain_output_through_rejections(world):
     plain = LlamaCppEngine(world["target_gguf"], "plain")
     spec = LlamaCppEngine(world["target_gguf"], "eagle3", drafter=world["drafter_gguf"], k=K)
     drafted = accepted = 0
@@ -79,7 +80,7 @@ def test_served_acceptance_within_5_percent_of_draftsmith(world):
         emitted += len(answer) - 1  # the first token comes from prefill in both
         passes_ours, passes_engine = passes_ours + len(r.accepted_per_step), passes_engine + t["draft_n"] // K
     tau_ours, tau_engine = emitted / passes_ours, emitted / passes_engine
-    print(f"lfm2 chain k={K}: draftsmith tau {tau_ours:.3f}, llama.cpp tau {tau_engine:.3f}")
+    print(f"{world['arch']} chain k={K}: draftsmith tau {tau_ours:.3f}, llama.cpp tau {tau_engine:.3f}")
     assert tau_ours > 2.0  # the fitted drafter is worth comparing
     assert abs(tau_engine - tau_ours) <= 0.05 * tau_ours, (tau_engine, tau_ours)
 
@@ -100,7 +101,8 @@ def test_check_passes_the_pair_with_output_equal_to_plain(world):
                                prompts=world["prompts"], k=K, max_new_tokens=world["new_tokens"],
                                draftsmith_target=str(world["model_dir"]), reference_drafter=str(world["drafter_dir"])))
     d = r.to_dict()
-    print(f"check on lfm2: served tau {d['served_tau']:.3f}, draftsmith's {d['draftsmith_tau']:.3f}, {d['verdict']}")
+    print(f"check on {world['arch']}: served tau {d['served_tau']:.3f}, draftsmith's {d['draftsmith_tau']:.3f}, "
+          f"{d['verdict']}")
     assert d["equality"]["identical"] == d["equality"]["compared"] == len(world["prompts"]), d
     assert d["verdict"] == "pass" and d["exit_code"] == 0, d
     assert abs(d["served_tau"] - d["draftsmith_tau"]) <= 0.05 * d["draftsmith_tau"], d

@@ -1,6 +1,6 @@
-"""The tiny LFM2 target as a GGUF (testing/target_gguf.py): the keys, tensors and tokenizer llama.cpp reads, the
-weights unchanged, and the drafter export's view of it. Fast, no engine: llama.cpp itself serves it in
-test_llamacpp_hybrid.py."""
+"""The tiny LFM2 and Qwen3.5 targets as GGUFs (testing/target_gguf.py): the keys, tensors and tokenizer llama.cpp
+reads, the weights unchanged or transformed as llama.cpp's converter does, and the drafter export's view of it.
+Fast, no engine: llama.cpp itself serves them in test_llamacpp_hybrid.py."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_the_drafter_export_reads_it_as_an_eagle3_target(lfm2, tmp_path):
 
 def test_refuses_what_it_does_not_write(tmp_path):
     llama = save_tiny_target(tmp_path / "llama", "llama", num_hidden_layers=2)
-    with pytest.raises(TargetGgufError, match="lfm2 only"):
+    with pytest.raises(TargetGgufError, match="writes lfm2 and qwen3_5_text only"):
         write_target_gguf(llama, tmp_path / "x.gguf")
     with pytest.raises(TargetGgufError, match="no place"):
         gguf_tensor_name("model.layers.0.mamba.in_proj.weight")
@@ -103,3 +103,26 @@ def test_llama_cpp_passes_not_short_when_drafts_past_a_stop_token_are_counted():
     assert EngineRun(text="", completion_tokens=32, predicted_ms=1.0, prompt_ms=1.0, draft_n=23, draft_n_accepted=23,
                      k=3).verify_passes == 8
     assert EngineRun(text="", completion_tokens=5, predicted_ms=1.0, prompt_ms=1.0).verify_passes == 4  # plain
+
+
+def test_qwen35_keys_and_the_transforms_llama_cpp_expects(tmp_path):
+    from safetensors.torch import load_file
+
+    model_dir = save_tiny_target(tmp_path / "hf", "qwen3_5_text", num_hidden_layers=4)
+    reader, f = _fields(write_target_gguf(model_dir, tmp_path / "q35.gguf"))
+    assert f["general.architecture"] == "qwen35" and f["qwen35.full_attention_interval"] == 4
+    assert (f["qwen35.ssm.conv_kernel"], f["qwen35.ssm.state_size"], f["qwen35.ssm.group_count"],
+            f["qwen35.ssm.time_step_rank"], f["qwen35.ssm.inner_size"]) == (4, 16, 2, 4, 64)
+    assert f["qwen35.rope.dimension_count"] == 4  # head 16 x partial_rotary_factor 0.25
+    assert sum(f["qwen35.rope.dimension_sections"]) == 2  # half the rotated dims (llama.cpp asserts it)
+    got = {t.name: torch.from_numpy(np.asarray(t.data).copy()) for t in reader.tensors}
+    hf = load_file(model_dir / "model.safetensors")
+    lin = "model.layers.0.linear_attn."
+    assert torch.equal(got["blk.0.ssm_a"], -torch.exp(hf[lin + "A_log"][[0, 2, 1, 3]]))
+    assert torch.equal(got["blk.0.ssm_dt.bias"], hf[lin + "dt_bias"][[0, 2, 1, 3]])
+    assert torch.equal(got["blk.0.attn_norm.weight"], hf["model.layers.0.input_layernorm.weight"] + 1)
+    assert torch.equal(got["blk.0.ssm_norm.weight"], hf[lin + "norm.weight"])  # the gated norm keeps w
+    z = hf[lin + "in_proj_z.weight"].reshape(2, 2, 16, 64)  # (key head, value head of it, dim, in)
+    assert torch.equal(got["blk.0.attn_gate.weight"], z.transpose(0, 1).reshape(64, 64))  # value heads tiled
+    assert got["blk.0.ssm_conv1d.weight"].shape == (128, 4)
+    assert torch.equal(got["blk.3.attn_q.weight"], hf["model.layers.3.self_attn.q_proj.weight"])  # q and its gate

@@ -1,4 +1,4 @@
-"""A tiny Hugging Face LFM2 target written as the F32 GGUF llama.cpp serves, for the engine tests of hybrid targets.
+"""Tiny Hugging Face hybrid targets (LFM2, Qwen3.5) written as the F32 GGUFs llama.cpp serves, for the engine tests.
 
 Test-only on purpose: a user converts a real target with llama.cpp's own ``convert_hf_to_gguf.py`` (it knows every
 architecture and recognises real tokenizers' pre-tokenizers); the tests need a target no hub provides, converted
@@ -14,6 +14,13 @@ gguf-py's tensor map); the code is draftsmith's:
   * q and k rows stay in Hugging Face's rotate-half order: llama.cpp ropes LFM2 in NEOX order (no permutation);
   * the tokenizer as a ``gpt2`` byte-level BPE with the GPT-2 pre-tokenizer, which is what the tiny test tokenizers
     (``testing/tokenizer.py``) are.
+Qwen3.5 (``qwen35``, from llama.cpp's ``Qwen3_5TextModel`` and its gated delta-net base): the ``ssm.*`` keys
+(conv kernel, state size = key head dim, group count = key heads, time-step rank = value heads, inner size),
+``full_attention_interval``, partial rope (``rope.dimension_count``) with ``rope.dimension_sections`` (required;
+text positions are equal in every section, so any split of the rotated half computes plain rope); ``A_log`` stored
+as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, every norm but the delta-net's own stored as ``1 + w`` (the
+model computes ``(1 + w) * x``), and the value heads reordered from grouped-by-key-head to tiled when there are
+more value heads than key heads (ggml broadcasts tiled). Tensor names come from gguf-py's tensor map.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 import torch
 
 ARCH = "lfm2"
+QWEN35_TYPES = ("qwen3_5_text", "qwen3_5")
 _LAYER = {  # HF name under model.layers.{i}. -> GGUF name under blk.{i}.
     "operator_norm.weight": "attn_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
@@ -87,6 +95,88 @@ def _add_hparams(w, cfg: dict, ffn: int) -> None:
     w.add_file_type(0)  # ALL_F32
 
 
+def _tiled_v_heads(t: torch.Tensor, dim: int, key_heads: int, per_key: int, head_dim: int) -> torch.Tensor:
+    """Value heads along ``dim`` from grouped by key head (k0v0, k0v1, k1v0, ...) to tiled (k0v0, k1v0, k0v1, ...)."""
+    shape = list(t.shape)
+    dim %= len(shape)
+    t = t.reshape(*shape[:dim], key_heads, per_key, head_dim, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def _qwen35_v_order(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """One gated delta-net tensor with its value heads tiled (a no-op with as many value heads as key heads)."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    hk, hv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    if "linear_attn." not in name or nk == nv:
+        return t
+    per, qk = nv // nk, 2 * hk * nk
+    if ".in_proj_qkv." in name or ".conv1d." in name:  # q and k rows stay, the value rows are reordered
+        return torch.cat([t[:qk], _tiled_v_heads(t[qk:], 0, nk, per, hv)])
+    if ".in_proj_z." in name:
+        return _tiled_v_heads(t, 0, nk, per, hv)
+    if ".in_proj_a." in name or ".in_proj_b." in name or name.endswith((".A_log", ".dt_bias")):
+        return _tiled_v_heads(t, 0, nk, per, 1)
+    if ".out_proj." in name:
+        return _tiled_v_heads(t, 1, nk, per, hv)
+    return t
+
+
+def qwen35_tensors(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face Qwen3.5 text checkpoint under its ``qwen35`` GGUF name, as llama.cpp reads it."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, int(cfg["num_hidden_layers"]))
+    out = {}
+    for name, t in state.items():
+        t = t.detach().float()
+        if ".conv1d." in name:
+            t = t.squeeze(1)  # (C, 1, K) -> (C, K)
+        t = _qwen35_v_order(name, t, cfg)
+        if name.endswith(".A_log"):
+            t = -torch.exp(t)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1  # Qwen3.5's RMSNorm scales by (1 + w); llama.cpp's by w
+        hf = name.removesuffix(".dt_bias") + ".dt_proj.bias" if name.endswith(".dt_bias") else name
+        gguf_name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise TargetGgufError(f"{name}: no place for this tensor in llama.cpp's qwen35 graph")
+        out[gguf_name] = t.contiguous()
+    if "output.weight" not in out and cfg.get("tie_word_embeddings"):
+        out["output.weight"] = out["token_embd.weight"]
+    return out
+
+
+def _add_qwen35_hparams(w, cfg: dict) -> None:
+    rope = cfg.get("rope_parameters") or {}
+    head = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    n_rot = int(head * rope.get("partial_rotary_factor", 0.25))
+    w.add_context_length(int(cfg["max_position_embeddings"]))
+    w.add_embedding_length(int(cfg["hidden_size"]))
+    w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    w.add_block_count(int(cfg["num_hidden_layers"]))
+    w.add_head_count(int(cfg["num_attention_heads"]))
+    w.add_head_count_kv(int(cfg["num_key_value_heads"]))
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10_000.0)))
+    w.add_rope_dimension_count(n_rot)
+    sections = list(rope.get("mrope_section") or [n_rot // 2 - 2 * (n_rot // 6), n_rot // 6, n_rot // 6])
+    w.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))  # they sum to half the rotated dims
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_vocab_size(int(cfg["vocab_size"]))
+    w.add_ssm_conv_kernel(int(cfg["linear_conv_kernel_dim"]))
+    w.add_ssm_state_size(int(cfg["linear_key_head_dim"]))
+    w.add_ssm_group_count(int(cfg["linear_num_key_heads"]))
+    w.add_ssm_time_step_rank(int(cfg["linear_num_value_heads"]))
+    w.add_ssm_inner_size(int(cfg["linear_value_head_dim"]) * int(cfg["linear_num_value_heads"]))
+    types = cfg["layer_types"]
+    interval = types.index("full_attention") + 1
+    if any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):
+        raise TargetGgufError("llama.cpp's qwen35 places attention every n-th layer; these layer_types do not")
+    w.add_full_attention_interval(interval)
+    w.add_file_type(0)  # ALL_F32
+
+
 def add_tokenizer(w, model_dir: Path) -> None:
     """The byte-level BPE of ``tokenizer.json`` as llama.cpp's ``gpt2`` tokenizer, with its special tokens and chat
     template (gguf-py's SpecialVocab reads those from the HF files)."""
@@ -120,20 +210,26 @@ def write_target_gguf(model_dir: str | Path, out: str | Path) -> Path:
 
     model_dir, out = Path(model_dir), Path(out)
     cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("model_type") != ARCH:
-        raise TargetGgufError(f"{model_dir}: model_type {cfg.get('model_type')!r}; this converter writes {ARCH} only")
+    model_type = cfg.get("model_type")
+    if model_type not in (ARCH, *QWEN35_TYPES):
+        raise TargetGgufError(f"{model_dir}: model_type {model_type!r}; this converter writes lfm2 and "
+                              "qwen3_5_text only")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise TargetGgufError(f"{model_dir}: no .safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
-    tensors = lfm2_tensors(state, bool(cfg.get("tie_word_embeddings", False)))
-    ffn = int(tensors["blk.0.ffn_gate.weight"].shape[0])  # the built width (HF may have auto-adjusted block_ff_dim)
     out.parent.mkdir(parents=True, exist_ok=True)
-    w = GGUFWriter(out, ARCH)
-    w.add_name(f"tiny {ARCH} (draftsmith test target)")
-    _add_hparams(w, cfg, ffn)
+    if model_type == ARCH:
+        tensors = lfm2_tensors(state, bool(cfg.get("tie_word_embeddings", False)))
+        w = GGUFWriter(out, ARCH)
+        _add_hparams(w, cfg, int(tensors["blk.0.ffn_gate.weight"].shape[0]))  # the built width
+    else:
+        tensors = qwen35_tensors(state, cfg)
+        w = GGUFWriter(out, "qwen35")
+        _add_qwen35_hparams(w, cfg)
+    w.add_name(f"tiny {model_type} (draftsmith test target)")
     add_tokenizer(w, model_dir)
     for name, t in tensors.items():
         w.add_tensor(name, t.numpy())
@@ -144,16 +240,16 @@ def write_target_gguf(model_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
-# --- a fitted LFM2 pair for llama.cpp: the tiny target fitted to a chat corpus, a drafter fitted to its answers ------
-LFM2_TARGET_STEPS = 300  # fit the tiny target so that its greedy answers vary with the prompt (random: one answer)
-LFM2_TARGET_LR = 6e-3
+# --- a fitted hybrid pair for llama.cpp: the tiny target fitted to a chat corpus, a drafter fitted to its answers ----
+TARGET_STEPS = 300  # fit the tiny target so that its greedy answers vary with the prompt (random: one answer)
+TARGET_LR = 6e-3
 
 
-def lfm2_llamacpp_world(root: str | Path, n_prompts: int = 6, new_tokens: int = 48) -> dict:
-    """A tiny LFM2 target (4 layers: three short-convolution layers, then attention) fitted to ``tiny_chat_corpus``,
-    its F32 GGUF, chat prompts (held-out conversations' user turns, as token ids), plain greedy answers (up to the
-    end-of-turn token), and an EAGLE-3 drafter fitted to those answers (``fit_chain_drafter``) exported as an fp32
-    GGUF. Built once per folder."""
+def hybrid_llamacpp_world(root: str | Path, arch: str = ARCH, n_prompts: int = 6, new_tokens: int = 48) -> dict:
+    """A tiny ``arch`` target (``lfm2`` or ``qwen3_5_text``; 4 layers: three recurrent ones, then attention) fitted
+    to ``tiny_chat_corpus``, its F32 GGUF, chat prompts (held-out conversations' user turns, as token ids), plain
+    greedy answers (up to the end-of-turn token), and an EAGLE-3 drafter fitted to those answers
+    (``fit_chain_drafter``) exported as an fp32 GGUF. Built once per folder."""
     from draftsmith.core import vocab as vocab_mod
     from draftsmith.model.target import load_target
     from draftsmith.stages.decode import SpeculativeDecoder
@@ -165,9 +261,9 @@ def lfm2_llamacpp_world(root: str | Path, n_prompts: int = 6, new_tokens: int = 
     root = Path(root)
     model_dir, tok = root / "target", make_tokenizer("chatml")
     if not (model_dir / "config.json").is_file():
-        model = build_tiny_model(ARCH, num_hidden_layers=4, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+        model = build_tiny_model(arch, num_hidden_layers=4, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        fit_tiny_chat_model(model, tok, LFM2_TARGET_STEPS, lr=LFM2_TARGET_LR)
+        fit_tiny_chat_model(model, tok, TARGET_STEPS, lr=TARGET_LR)
         model.save_pretrained(model_dir)
         tok.save_pretrained(model_dir)
     target_gguf = root / "target.gguf"
@@ -189,6 +285,7 @@ def lfm2_llamacpp_world(root: str | Path, n_prompts: int = 6, new_tokens: int = 
     drafter_gguf = root / "drafter.gguf"
     if not drafter_gguf.is_file():
         export_gguf(drafter_dir, drafter_gguf, target=target_gguf, dtype="fp32")
-    return {"target": target, "model_dir": model_dir, "target_gguf": target_gguf, "drafter_dir": drafter_dir,
-            "drafter_gguf": drafter_gguf, "prompts": prompts, "answers": answers, "eos": eos, "tokenizer": tok,
+    return {"arch": arch, "target": target, "model_dir": model_dir, "target_gguf": target_gguf,
+            "drafter_dir": drafter_dir, "drafter_gguf": drafter_gguf, "prompts": prompts, "answers": answers,
+            "eos": eos, "tokenizer": tok,
             "new_tokens": new_tokens}
