@@ -114,7 +114,7 @@ def test_qwen35_keys_and_the_transforms_llama_cpp_expects(tmp_path):
     assert (f["qwen35.ssm.conv_kernel"], f["qwen35.ssm.state_size"], f["qwen35.ssm.group_count"],
             f["qwen35.ssm.time_step_rank"], f["qwen35.ssm.inner_size"]) == (4, 16, 2, 4, 64)
     assert f["qwen35.rope.dimension_count"] == 4  # head 16 x partial_rotary_factor 0.25
-    assert sum(f["qwen35.rope.dimension_sections"]) == 2  # half the rotated dims (llama.cpp asserts it)
+    assert f["qwen35.rope.dimension_sections"] == [1, 1, 0, 0]  # both rotated pairs in a text section (t, h)
     got = {t.name: torch.from_numpy(np.asarray(t.data).copy()) for t in reader.tensors}
     hf = load_file(model_dir / "model.safetensors")
     lin = "model.layers.0.linear_attn."

@@ -17,10 +17,11 @@ gguf-py's tensor map); the code is draftsmith's:
 Qwen3.5 (``qwen35``, from llama.cpp's ``Qwen3_5TextModel`` and its gated delta-net base): the ``ssm.*`` keys
 (conv kernel, state size = key head dim, group count = key heads, time-step rank = value heads, inner size),
 ``full_attention_interval``, partial rope (``rope.dimension_count``) with ``rope.dimension_sections`` (required;
-text positions are equal in every section, so any split of the rotated half computes plain rope); ``A_log`` stored
-as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, every norm but the delta-net's own stored as ``1 + w`` (the
-model computes ``(1 + w) * x``), and the value heads reordered from grouped-by-key-head to tiled when there are
-more value heads than key heads (ggml broadcasts tiled). Tensor names come from gguf-py's tensor map.
+text positions are equal in the t, h and w sections, so a split that covers every rotated pair computes plain
+rope); ``A_log`` stored as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, every norm but the delta-net's own
+stored as ``1 + w`` (the model computes ``(1 + w) * x``), and the value heads reordered from grouped-by-key-head to
+tiled when there are more value heads than key heads (ggml broadcasts tiled).
+Tensor names come from gguf-py's tensor map.
 """
 
 from __future__ import annotations
@@ -160,8 +161,11 @@ def _add_qwen35_hparams(w, cfg: dict) -> None:
     w.add_value_length(head)
     w.add_rope_freq_base(float(rope.get("rope_theta", 10_000.0)))
     w.add_rope_dimension_count(n_rot)
-    sections = list(rope.get("mrope_section") or [n_rot // 2 - 2 * (n_rot // 6), n_rot // 6, n_rot // 6])
-    w.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))  # they sum to half the rotated dims
+    # Interleaved M-RoPE gives rotated pair i to section i % 3 while that section has room: a split that leaves a
+    # pair uncovered rotates it by the 4th section's position, 0 for text ([11, 11, 10] for Qwen3.5's 32 pairs).
+    pairs = n_rot // 2
+    sections = list(rope.get("mrope_section") or [(pairs - k + 2) // 3 for k in range(3)])
+    w.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(int(cfg["vocab_size"]))
     w.add_ssm_conv_kernel(int(cfg["linear_conv_kernel_dim"]))
