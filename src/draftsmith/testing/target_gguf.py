@@ -249,7 +249,7 @@ TARGET_STEPS = 300  # fit the tiny target so that its greedy answers vary with t
 TARGET_LR = 6e-3
 
 
-def hybrid_llamacpp_world(root: str | Path, arch: str = ARCH, n_prompts: int = 6, new_tokens: int = 48) -> dict:
+def hybrid_llamacpp_world(root: str | Path, arch: str = ARCH, n_prompts: int = 12, new_tokens: int = 48) -> dict:
     """A tiny ``arch`` target (``lfm2`` or ``qwen3_5_text``; 4 layers: three recurrent ones, then attention) fitted
     to ``tiny_chat_corpus``, its F32 GGUF, chat prompts (held-out conversations' user turns, as token ids), plain
     greedy answers (up to the end-of-turn token), and an EAGLE-3 drafter fitted to those answers
