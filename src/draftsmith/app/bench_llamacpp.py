@@ -36,7 +36,7 @@ class EngineStats:
         self.ms += r.predicted_ms
         self.passes += r.verify_passes
         self.drafted += r.draft_n
-        self.accepted += r.draft_n_accepted
+        self.accepted += r.accepted_emitted  # not the drafts llama.cpp counts past a stop token
         self.rates.append(r.tokens_per_second)
 
     def to_dict(self) -> dict:

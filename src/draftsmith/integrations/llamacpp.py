@@ -47,20 +47,35 @@ class EngineRun:
     prompt_ms: float
     draft_n: int = 0
     draft_n_accepted: int = 0
+    k: int = 0  # the most tokens a round drafts (0: plain)
 
     @property
     def verify_passes(self) -> int:
-        """Target passes after prefill: each emits its accepted drafts plus one token (the first comes from prefill)."""
-        return max(self.completion_tokens - 1 - self.draft_n_accepted, 1)
+        """Target passes after prefill: each emits its accepted drafts plus one token (the first comes from prefill).
+
+        llama.cpp also counts drafts accepted past a stop token, which are never emitted; a round drafts at most
+        ``k``, so ``draft_n / k`` bounds the passes from below where that count would come out short."""
+        return max(verify_passes(self.completion_tokens, self.draft_n, self.draft_n_accepted, self.k), 1)
 
     @property
     def acceptance_length(self) -> float:
         """Tokens per verify pass (draftsmith's and vLLM's tau), from the engine's own counters."""
-        return 1.0 + self.draft_n_accepted / self.verify_passes
+        return 1.0 + self.accepted_emitted / self.verify_passes
+
+    @property
+    def accepted_emitted(self) -> int:
+        """Accepted drafts that were emitted (``draft_n_accepted`` less those past a stop token)."""
+        return max(min(self.draft_n_accepted, self.completion_tokens - 1 - self.verify_passes), 0)
 
     @property
     def tokens_per_second(self) -> float:
         return 1000.0 * self.completion_tokens / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+
+def verify_passes(completion_tokens: int, draft_n: int, draft_n_accepted: int, k: int) -> int:
+    """A request's verify passes from llama.cpp's counters (see ``EngineRun.verify_passes``)."""
+    emitted = completion_tokens - 1 - draft_n_accepted
+    return max(emitted, -(-draft_n // k)) if k > 0 and draft_n > 0 else emitted
 
 
 class LlamaCppEngine:
@@ -103,4 +118,5 @@ class LlamaCppEngine:
         t = r.get("timings", {})
         return EngineRun(text=r["choices"][0]["text"], completion_tokens=int(r["usage"]["completion_tokens"]),
                          predicted_ms=float(t.get("predicted_ms", 0.0)), prompt_ms=float(t.get("prompt_ms", 0.0)),
-                         draft_n=int(t.get("draft_n", 0)), draft_n_accepted=int(t.get("draft_n_accepted", 0)))
+                         draft_n=int(t.get("draft_n", 0)), draft_n_accepted=int(t.get("draft_n_accepted", 0)),
+                         k=0 if self.mode == "plain" else self.k)

@@ -75,6 +75,8 @@ def run_llamacpp(target_gguf: str | Path, drafter_gguf: str | Path, prompts: lis
 
 
 def _llamacpp_runs(name: str, engine, prompts: list[list[int]], max_new_tokens: int) -> Served:
+    from draftsmith.integrations.llamacpp import verify_passes
+
     out = Served(name, top=[] if name == "plain" else None)
     for ids in prompts:
         r = engine.server.handle_completions({
@@ -89,10 +91,11 @@ def _llamacpp_runs(name: str, engine, prompts: list[list[int]], max_new_tokens: 
             out.top.append([[[int(t["id"]), float(t["logprob"])] for t in c.get("top_logprobs", [])]
                             for c in content])
         t, n = r.get("timings", {}), int(r["usage"]["completion_tokens"])
-        acc = int(t.get("draft_n_accepted", 0))
-        out.accepted += acc
-        out.drafted += int(t.get("draft_n", 0))
-        out.passes += max(n - 1 - acc, 1)  # the first token comes from prefill (EngineRun.verify_passes)
+        acc, drafted = int(t.get("draft_n_accepted", 0)), int(t.get("draft_n", 0))
+        passes = max(verify_passes(n, drafted, acc, engine.k), 1)  # as EngineRun counts them
+        out.accepted += max(min(acc, n - 1 - passes), 0)  # the emitted ones (not those past a stop token)
+        out.drafted += drafted
+        out.passes += passes
     return out
 
 
