@@ -24,7 +24,7 @@ from draftsmith.stages.decode import (
     SpeculativeDecoder,
     TreeSpec,
 )
-from draftsmith.testing.models import build_tiny_model, save_tiny_target
+from draftsmith.testing.models import HYBRID_ARCHITECTURES, build_tiny_model, save_tiny_target
 
 #: Gated delta-net + MoE, short convolutions, Mamba-2 (+ shared MLP), Mamba-2 with MLP-only blocks.
 RECURRENT_ARCHS = ["qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h"]
@@ -71,6 +71,20 @@ def test_every_mode_equals_plain_greedy_on_recurrent_targets(arch):
                 assert r.target_forward_passes == 1 + len(r.accepted_per_step)
     finally:
         target.set_aux_hidden_state_layers(aux)
+
+
+@pytest.mark.parametrize("arch", [a for a in HYBRID_ARCHITECTURES if a not in RECURRENT_ARCHS])
+def test_other_hybrid_families_decode_exactly(arch):
+    """Qwen3.5 (dense gated delta-net), Falcon-H1 (attention beside Mamba-2 in every layer), Jamba (Mamba-1),
+    Bamba, Kimi-Linear (Kimi Delta Attention, MLA): the mixers are found by structure, not by name."""
+    target = Target(build_tiny_model(arch, num_hidden_layers=4, dtype=torch.float64))
+    assert target.is_recurrent
+    prompts = random_prompts(2, seed=5)
+    refs = [SpeculativeDecoder(target).generate(p, NEW_TOKENS).token_ids for p in prompts]
+    drafter = new_drafter(target, seed=1)
+    for spec in (ChainSpec(3), TreeSpec(3, 2, 5)):
+        decoder = SpeculativeDecoder(target, drafter, spec)
+        assert [decoder.generate(p, NEW_TOKENS).token_ids for p in prompts] == refs, spec
 
 
 def test_partial_acceptance_is_exact_with_a_fitted_drafter():

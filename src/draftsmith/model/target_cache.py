@@ -3,14 +3,11 @@
 Speculative decoding advances the target by a block (the pending token and its drafts, a chain or a tree), then
 keeps the prefix and the accepted nodes. Attention drops rejected tokens by cropping (a chain) or compacting (a
 tree path) its keys and values. A recurrent state cannot be cut back: it has folded every token in. So during a
-block pass each recurrent mixer (a module of the target that owns a causal ``Conv1d``: gated delta-net, Mamba,
-Mamba-2, short convolutions) steps through the block one token at a time, each node from its parent's state, with
-the same single-token kernel plain decoding runs. Tree branches never see each other, the state after every node
-is kept, and ``keep`` puts back the last accepted node's. No accepted token passes a recurrent layer twice, and
-no rejected token leaves a trace.
-
-Attention and MLP layers still see the whole block in one pass, so a verify pass costs one weight read per layer
-there; the recurrent mixers pay one small step per block token, which is also what their recurrence costs.
+block pass each recurrent mixer (a module of the target that owns a causal ``Conv1d``: gated delta-net, Kimi Delta
+Attention, Mamba, Mamba-2, short convolutions) keeps its state after every node: a chain in one call with
+transformers' past recording (the projections batched, the recurrence per token), a tree one node at a time, each
+from its parent's state, with the single-token kernel plain decoding runs. ``keep`` then puts back the last
+accepted node's state. No accepted token passes a recurrent layer twice, and no rejected token leaves a trace.
 """
 
 from __future__ import annotations
@@ -228,18 +225,58 @@ class BlockStepper:
             raise RuntimeError(f"a block of {len(block.parents)} nodes, but the pass has {n} tokens")
         layer = self.hf_cache.layers[layer_id]
         before = _snapshot(layer)
+        kwargs = {**arguments, **extra}
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None  # batch 1 has no padding; a tree mask means nothing to a recurrence
+        if n > 1 and block.parents == list(range(-1, n - 1)):
+            chained = _chain_pass(layer, original, hidden, kwargs, before)
+            if chained is not None:
+                block.before[layer_id], block.after[layer_id] = before, chained[1]
+                return chained[0]
         after: list[_LayerState] = []
         outputs = []
         for i, parent in enumerate(block.parents):
             if parent != i - 1:  # a chain continues from the state it left; a branch starts at its parent's
                 _restore(layer, before if parent < 0 else after[parent])
-            kwargs = {k: _token(v, i, n) for k, v in {**arguments, **extra}.items()}
-            if "attention_mask" in kwargs:
-                kwargs["attention_mask"] = None  # batch 1 has no padding; a tree mask means nothing to a recurrence
-            outputs.append(original(hidden[:, i:i + 1], **kwargs))
+            outputs.append(original(hidden[:, i:i + 1], **{k: _token(v, i, n) for k, v in kwargs.items()}))
             after.append(_snapshot(layer))
         block.before[layer_id], block.after[layer_id] = before, after
         return torch.cat(outputs, dim=1)
+
+
+def _chain_pass(layer, original, hidden: torch.Tensor, kwargs: dict, before: _LayerState):
+    """A chain block in one call of the mixer, with transformers' past recording: the projections see the whole
+    block at once and the recurrence keeps its state after every token. (output, state after each node), or
+    None (the layer's state untouched) where the mixer does not record a state per token."""
+    n = hidden.shape[1]
+    if getattr(layer, "number_of_states", 1) != 1 or not hasattr(layer, "activate_past_recording"):
+        return None
+    layer.activate_past_recording(recurrent_states_to_keep=n)
+    layer.recurrent_states_history = {0: []}  # transformers' fromkeys default shares one list between states
+    try:
+        out = original(hidden, **kwargs)
+        history = layer.recurrent_states_history[0]
+        recurrent = layer.is_recurrent_states_initialized[0]
+        window = layer.conv_states[0] if layer.is_conv_states_initialized[0] else None
+        width = layer.conv_kernel_size[0]
+        if (recurrent and len(history) != n) or (window is not None and window.shape[-1] != width + n):
+            out = None
+    finally:
+        layer.record_past = False
+        layer.recurrent_states_history = {0: []}
+    if out is None:
+        if window is not None:
+            layer.conv_states[0] = window[..., -width:].clone()
+        _restore(layer, before)
+        return None
+    after = []
+    for j in range(n):
+        conv = {0: window[..., j + 1: j + 1 + width].clone()} if window is not None else {}
+        rec = {0: (history[j + 1] if j + 1 < n else layer.recurrent_states[0]).clone()} if recurrent else {}
+        after.append(_LayerState(conv, rec, before.length + j + 1))
+    if window is not None:  # the window back to its working size, as a tensor of its own
+        layer.conv_states[0] = after[-1].conv[0].clone()
+    return out, after
 
 
 def _token(value, i: int, n: int):

@@ -35,7 +35,7 @@ TINY_ARCHITECTURES = (
 #: Targets that keep a recurrent state in most layers (gated delta-net, Mamba-2, short convolutions) and attention
 #: in every fourth: the layer pattern follows ``num_hidden_layers``, so an override keeps the mix.
 HYBRID_ARCHITECTURES = ("qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h", "qwen3_5_text", "falcon_h1", "jamba",
-                        "bamba")
+                        "bamba", "kimi_linear")
 
 
 def _hybrid_extra(arch: str, layers: int) -> dict:
@@ -64,6 +64,13 @@ def _hybrid_extra(arch: str, layers: int) -> dict:
                     n_groups=1, chunk_size=16, expand=2, head_dim=16)
     if arch == "falcon_h1":  # attention and Mamba-2 side by side in every layer
         return dict(mamba, mamba_d_ssm=64, mamba_d_head=16, head_dim=16)
+    if arch == "kimi_linear":  # Kimi Delta Attention (1-based layer lists), MLA attention, MoE after one dense layer
+        return dict(head_dim=16, num_key_value_heads=4, linear_attn_config={
+            "kda_layers": [i + 1 for i, a in enumerate(attention) if not a],
+            "full_attn_layers": [i + 1 for i, a in enumerate(attention) if a], "head_dim": 16, "num_heads": 4,
+            "short_conv_kernel_size": 4}, num_experts=4, num_experts_per_token=2, moe_intermediate_size=32,
+            first_k_dense_replace=1, num_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, mla_use_nope=True)
     if arch == "jamba":  # Mamba-1 and attention, MoE every other layer
         return dict(attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2, expert_layer_offset=1,
                     num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
