@@ -224,7 +224,8 @@ def _cfg(workspace, out, **kw) -> TrainConfig:
     return load_config(None, base)
 
 
-def test_online_training_learns_and_decoder_agrees(workspace, tmp_path):
+def test_online_training_learns_and_decoder_agrees(workspace, tmp_path, compiled_loss):
+    """The whole loop on the compiled loss (the one training test that compiles it: conftest.py)."""
     root, model, convs = workspace
     result = train(_cfg(workspace, tmp_path / "run", max_steps=60, eval_every=20, plot=True))
     assert result.steps == 60

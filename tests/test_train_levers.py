@@ -88,10 +88,13 @@ def test_nla_is_cross_entropy_on_one_hot_labels_and_kl_is_the_previous_loss():
 
 @pytest.mark.parametrize("chunk", [0, 3])  # 0: the compiled kernels where a compiler is found; 3: eager chunks
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_fused_soft_cross_entropy_is_kl_on_the_teachers_softmax(chunk, temperature):
+def test_fused_soft_cross_entropy_is_kl_on_the_teachers_softmax(chunk, temperature, request):
     """The trainer's fused KL (from both sides' logits, nothing [N, Vd] kept) equals draft_loss's kl on the
     teacher's probabilities, value and gradient, and its argmax is the first maximum, as argmax's."""
     from draftsmith.model.ttt import soft_cross_entropy
+
+    if chunk == 0:
+        request.getfixturevalue("compiled_loss")  # the tests run eagerly otherwise (conftest.py)
 
     logits, _ = _rows(5)
     teacher = torch.randn(5, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 3
