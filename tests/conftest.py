@@ -94,6 +94,28 @@ def shared_drafter(key: str, target: Target, build: Callable[[], Eagle3Drafter],
     return shared_result(key, build, save, load)
 
 
+# --- the slow suite on every core: `make test-slow` runs it with --dist loadgroup --------------------------------
+# vLLM's CPU engine pins its threads to cores, and OpenVINO takes every core: two such engines at once would fight
+# over the same cores, so their tests form one group, run one after another on one worker. Every other slow test is
+# grouped by its file, so a module's set-up (a converted target, a fitted pair) is still built once.
+ENGINE_MODULES = {"test_vllm_block", "test_vllm_capture", "test_vllm_engine", "test_vllm_plugin", "test_vllm_serve",
+                  "test_deepseek_e2e", "test_eagle31", "test_export", "test_openvino_engine"}
+
+
+def engine_test(item) -> bool:
+    """A test that starts vLLM or OpenVINO: its module is one of theirs, or its name says which it drives."""
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    return module in ENGINE_MODULES or "vllm" in item.name or "openvino" in item.name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is None or item.get_closest_marker("xdist_group") is not None:
+            continue
+        item.add_marker(pytest.mark.xdist_group("engines" if engine_test(item) else item.path.stem))
+
+
 @pytest.fixture
 def compiled_loss(monkeypatch):
     """The training loss's compiled kernels for this test (``model/ttt._compiled_ce``), built afresh (a None cached
