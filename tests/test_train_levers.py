@@ -250,8 +250,9 @@ def test_a_muon_run_under_torchrun_two_processes_gloo(store_workspace, tmp_path)
     cfg.write_text(f'target = "{model}"\nstore = "{store}"\noptimizer = "muon"\nloss = "lk"\nmax_steps = 3\n'
                    f'ttt_steps = 2\nbatch_tokens = 256\nautocast = "off"\nprogress = false\nplot = false\n'
                    f'eval_every = 3\nsave_every = 3\nout = "{tmp_path / "ddp"}"\n')
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29541", "-m", "draftsmith.cli", "train", "--config", str(cfg)], capture_output=True,
+    # --standalone: the rendezvous on a free port (a fixed one collides with a concurrent run of this test)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "draftsmith.cli", "train", "--config", str(cfg)], capture_output=True,
                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     blob = torch.load(tmp_path / "ddp" / "checkpoints" / "step-0000003" / "trainer_state.pt", weights_only=True)
