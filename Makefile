@@ -80,9 +80,11 @@ $(OV_STAMP): pyproject.toml
 openvino-env: $(OV_STAMP)
 
 # OpenVINO's env costs ~2.5 min to build and its slow test ~11 min with the target's conversion (2-core box, loaded).
+# One worker per core: the tests that start vLLM or OpenVINO (which pin threads to cores) run one after another in
+# one group, every other slow file in a group of its own beside them (tests/conftest.py).
 test-slow: $(STAMP) $(VLLM_STAMP) $(OV_STAMP)
 	# pytest exits 5 when no test carries the marker yet; that is not a failure.
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m slow -n auto --dist loadgroup $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The oldest transformers pyproject.toml accepts (the GPU image's), in its own venv: the default suite must pass there
 # too. torch is the CPU pin (the only CPU build that installs here); torch 2.11 is exercised by bench/gpu_check.sh.

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 # Tiny models: one thread is ~10x faster than two fighting over a busy 2-core machine (and steadier).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The training loss runs eagerly (the same math in row chunks) unless a test asks for the compiled kernels with the
+# ``compiled_loss`` fixture: compiling costs seconds of every process that trains (each `draftsmith train` or
+# torchrun rank a test starts inherits this), and most tests that train are about something else. The tests that
+# take the fixture keep the compiled path checked, alone and in the whole loop.
+os.environ.setdefault("DRAFTSMITH_COMPILE", "0")
 
+import pytest
 import torch
 
 from draftsmith.model.drafter import Eagle3Drafter, new_drafter
@@ -15,6 +26,111 @@ from draftsmith.model.target import Target
 from draftsmith.testing.models import build_tiny_model
 
 torch.set_num_threads(1)
+
+
+# --- results shared by the run's worker processes ----------------------------------------------------------
+# pytest-xdist hands each worker whole files, so a set-up several files import (a fitted drafter, a target's
+# reference continuations) would be built once per worker. The first worker to need one builds it under a lock and
+# saves it here; the others load it, bitwise the same. The controller makes the folder before the workers start
+# (they inherit the variable) and removes it at the end.
+_SHARED_ENV = "DRAFTSMITH_TEST_SHARED"
+_made_shared: list[str] = []
+T = TypeVar("T")
+
+
+def pytest_configure(config):
+    if not os.environ.get(_SHARED_ENV):
+        os.environ[_SHARED_ENV] = tempfile.mkdtemp(prefix="draftsmith-tests-")
+        _made_shared.append(os.environ[_SHARED_ENV])
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for path in _made_shared:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(_SHARED_ENV, None)
+
+
+def shared_result(key: str, build: Callable[[], T], save: Callable[[T, Path], None],
+                  load: Callable[[Path], T]) -> T:
+    """``build()``, once for the whole run: saved under ``key`` by the first worker that asks, loaded by the rest."""
+    from filelock import FileLock
+
+    root = os.environ.get(_SHARED_ENV)
+    if not root:
+        return build()
+    path = Path(root) / key
+    with FileLock(f"{path}.lock"):
+        if path.exists():
+            return load(path)
+        value = build()
+        tmp = path.with_name(path.name + ".tmp")
+        save(value, tmp)
+        tmp.rename(path)
+        return value
+
+
+def save_json(value, path: Path) -> None:
+    path.write_text(json.dumps(value))
+
+
+def load_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def shared_drafter(key: str, target: Target, build: Callable[[], Eagle3Drafter], **new_drafter_kw) -> Eagle3Drafter:
+    """``shared_result`` for a drafter of ``target``: its weights go through a safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    def save(drafter: Eagle3Drafter, path: Path) -> None:
+        save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(path))
+
+    def load(path: Path) -> Eagle3Drafter:
+        drafter = new_drafter(target, **new_drafter_kw)
+        drafter.load_state_dict(load_file(str(path)))
+        return drafter.eval()
+
+    return shared_result(key, build, save, load)
+
+
+# --- the slow suite on every core: `make test-slow` runs it with --dist loadgroup --------------------------------
+# vLLM's CPU engine pins its threads to cores, and OpenVINO takes every core: two such engines at once would fight
+# over the same cores, so their tests form one group, run one after another on one worker. Every other slow test is
+# grouped by its file, so a module's set-up (a converted target, a fitted pair) is still built once.
+ENGINE_MODULES = {"test_vllm_block", "test_vllm_capture", "test_vllm_engine", "test_vllm_plugin", "test_vllm_serve",
+                  "test_deepseek_e2e", "test_eagle31", "test_export", "test_openvino_engine"}
+
+
+def engine_test(item) -> bool:
+    """A test that starts vLLM or OpenVINO: its module is one of theirs, or its name says which it drives."""
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    return module in ENGINE_MODULES or "vllm" in item.name or "openvino" in item.name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is None or item.get_closest_marker("xdist_group") is not None:
+            continue
+        item.add_marker(pytest.mark.xdist_group("engines" if engine_test(item) else item.path.stem))
+
+
+@pytest.fixture
+def compiled_loss(monkeypatch):
+    """The training loss's compiled kernels for this test (``model/ttt._compiled_ce``), built afresh (a None cached
+    while compiling was off would otherwise stick); the returned pair is None only where no compiler is found."""
+    import shutil
+
+    from draftsmith.model.ttt import _compiled_ce
+
+    monkeypatch.setenv("DRAFTSMITH_COMPILE", "1")
+    _compiled_ce.cache_clear()
+    kernels = _compiled_ce("cpu")
+    if shutil.which("c++") or shutil.which("g++"):
+        assert kernels is not None, "a C++ compiler is here, yet the fused loss did not compile"
+    yield kernels
+    _compiled_ce.cache_clear()  # the tests after this one run eagerly again
 
 
 @functools.cache

@@ -364,41 +364,49 @@ def _console(*args: str) -> list[str]:
     return [str(exe), *args] if exe.is_file() else [sys.executable, "-m", "draftsmith.cli", *args]
 
 
-_SLOW_CAPTURE = textwrap.dedent("""
-    import sys, time
+# The capture stops itself once KILL_AFTER samples are committed: at its next batch's forward pass it writes READY
+# and sleeps, so the test kills it at a known point, however slow the machine is, and never after it finished.
+_STOPPING_CAPTURE = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
     from draftsmith.model import target as t
+    manifest, ready = Path(os.environ["KILL_MANIFEST"]), Path(os.environ["KILL_READY"])
+    after = int(os.environ["KILL_AFTER"])
     forward = t.Target.forward
-    def slow(self, *a, **k):
-        time.sleep(0.2)
+    def stopping(self, *a, **k):
+        try:
+            committed = json.loads(manifest.read_text())["num_samples"]
+        except (FileNotFoundError, ValueError, KeyError):
+            committed = 0
+        if committed >= after:
+            ready.with_suffix(".tmp").write_text(str(committed))
+            ready.with_suffix(".tmp").rename(ready)  # whole, or not there
+            while True:
+                time.sleep(60)
         return forward(self, *a, **k)
-    t.Target.forward = slow
+    t.Target.forward = stopping
     from draftsmith.cli import main
     sys.exit(main(sys.argv[1:]))
 """)
 
 
 def test_kill9_then_rerun_exactly_once(tiny: dict[str, Any], tmp_path: Path) -> None:
-    out = tmp_path / "s"
+    out, ready = tmp_path / "s", tmp_path / "ready"
     args = ["capture", "--target", str(tiny["dir"]), "--conversations", str(tiny["conv"]), "--out", str(out),
             "--max-length", str(MAX_LEN), "--batch-size", "2", "--shard-mb", "0.0001", "--draft-vocab-size", "64",
             "--no-progress", "--json"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CAPTURE, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPING_CAPTURE, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            env={**env, "KILL_MANIFEST": str(out / MANIFEST_NAME), "KILL_READY": str(ready),
+                                 "KILL_AFTER": "4"})
     try:
-        deadline = time.monotonic() + 60
-        committed = 0
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                committed = json.loads((out / MANIFEST_NAME).read_text())["num_samples"]
-            except (FileNotFoundError, json.JSONDecodeError):
-                committed = 0
-            if committed >= 4:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        hang_guard = time.monotonic() + 1800  # not a deadline: only a capture that hangs reaches it
+        while not ready.exists() and proc.poll() is None and time.monotonic() < hang_guard:
+            time.sleep(0.05)
+        assert ready.exists(), proc.communicate()[1].decode()[-2000:] if proc.poll() is not None else "hung"
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -408,10 +416,10 @@ def test_kill9_then_rerun_exactly_once(tiny: dict[str, Any], tmp_path: Path) -> 
     store = FeatureStore(out)
     store.verify()  # the manifest lists only complete shards
     done = len(store)
-    assert 4 <= done < len(CAPTURABLE)
+    assert done == int(ready.read_text()) and 4 <= done < len(CAPTURABLE)
     assert not (out / VOCAB_FILE).exists()
 
-    rerun = subprocess.run(_console(*args), capture_output=True, text=True, env=env, timeout=120)
+    rerun = subprocess.run(_console(*args), capture_output=True, text=True, env=env, timeout=1800)
     assert rerun.returncode == 0, rerun.stderr
     report = json.loads(rerun.stdout)
     assert report["counts"]["already_stored"] == done

@@ -6,7 +6,7 @@ import functools
 import itertools
 
 import pytest
-from conftest import fit_drafter, random_prompts, tiny_target
+from conftest import fit_drafter, load_json, random_prompts, save_json, shared_drafter, shared_result, tiny_target
 
 from draftsmith.model.drafter import new_drafter
 from draftsmith.stages.decode import (
@@ -28,18 +28,25 @@ EXTRA_SPECS = [ChainSpec(1), TreeSpec(3, 2, 6)]  # the first 10 prompts (and eve
 
 @functools.cache
 def references(arch: str):
-    """50 random prompts and the target's plain greedy continuations."""
-    target = tiny_target(arch, num_hidden_layers=LAYERS)
-    prompts = random_prompts(N_PROMPTS, seed=99)
-    plain = SpeculativeDecoder(target)
-    return prompts, [plain.generate(p, NEW_TOKENS).token_ids for p in prompts]
+    """50 random prompts and the target's plain greedy continuations (test_hybrid and test_draft_positions use
+    them too: built once for the run, conftest.shared_result)."""
+    def build():
+        target = tiny_target(arch, num_hidden_layers=LAYERS)
+        prompts = random_prompts(N_PROMPTS, seed=99)
+        plain = SpeculativeDecoder(target)
+        return prompts, [plain.generate(p, NEW_TOKENS).token_ids for p in prompts]
+
+    prompts, refs = shared_result(f"references-{arch}.json", build, save_json, load_json)
+    return prompts, refs
 
 
 @functools.cache
 def fitted(arch: str):
+    """A drafter fitted to ``references``, built once for the run (conftest.shared_drafter)."""
+    target = tiny_target(arch, num_hidden_layers=LAYERS)
     prompts, refs = references(arch)
-    return fit_drafter(tiny_target(arch, num_hidden_layers=LAYERS), [p + r for p, r in zip(prompts, refs, strict=True)],
-                       steps=150)
+    return shared_drafter(f"fitted-{arch}.safetensors", target,
+                          lambda: fit_drafter(target, [p + r for p, r in zip(prompts, refs, strict=True)], steps=150))
 
 
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)

@@ -224,7 +224,8 @@ def _cfg(workspace, out, **kw) -> TrainConfig:
     return load_config(None, base)
 
 
-def test_online_training_learns_and_decoder_agrees(workspace, tmp_path):
+def test_online_training_learns_and_decoder_agrees(workspace, tmp_path, compiled_loss):
+    """The whole loop on the compiled loss (the one training test that compiles it: conftest.py)."""
     root, model, convs = workspace
     result = train(_cfg(workspace, tmp_path / "run", max_steps=60, eval_every=20, plot=True))
     assert result.steps == 60
@@ -396,8 +397,10 @@ def test_distributed_two_processes_gloo(workspace, tmp_path):
                    f'batch_tokens = 256\nprogress = false\nplot = false\nout = "{tmp_path / "ddp"}"\n'
                    f'eval_every = 4\nsave_every = 2\n')
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29533", "-m", "draftsmith.cli", "train", "--config", str(cfg)],
+    # --standalone: the rendezvous on a free port. A fixed port is taken whenever another checkout's suite runs
+    # this test at the same moment on the same machine, and the run then fails with no bug to find.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "draftsmith.cli", "train", "--config", str(cfg)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ddp" / "final" / "model.safetensors").is_file()

@@ -422,8 +422,9 @@ def test_block_training_under_torchrun_two_processes_gloo(block_workspace, tmp_p
     cfg.write_text(f'target = "{model}"\nstore = "{store}"\nkind = "dspark"\nmax_steps = 2\nbatch_tokens = 256\n'
                    f'block_size = 3\nmarkov_rank = 8\nnum_anchors = 8\ndraft_layers = 1\nautocast = "off"\n'
                    f'progress = false\nplot = false\neval_every = 2\nsave_every = 2\nout = "{tmp_path / "ddp"}"\n')
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29537", "-m", "draftsmith.cli", "train", "--config", str(cfg)], capture_output=True,
+    # --standalone: the rendezvous on a free port (a fixed one collides with a concurrent run of this test)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "draftsmith.cli", "train", "--config", str(cfg)], capture_output=True,
                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ddp" / "checkpoints" / "latest").read_text().strip() == "step-0000002"

@@ -88,10 +88,13 @@ def test_nla_is_cross_entropy_on_one_hot_labels_and_kl_is_the_previous_loss():
 
 @pytest.mark.parametrize("chunk", [0, 3])  # 0: the compiled kernels where a compiler is found; 3: eager chunks
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_fused_soft_cross_entropy_is_kl_on_the_teachers_softmax(chunk, temperature):
+def test_fused_soft_cross_entropy_is_kl_on_the_teachers_softmax(chunk, temperature, request):
     """The trainer's fused KL (from both sides' logits, nothing [N, Vd] kept) equals draft_loss's kl on the
     teacher's probabilities, value and gradient, and its argmax is the first maximum, as argmax's."""
     from draftsmith.model.ttt import soft_cross_entropy
+
+    if chunk == 0:
+        request.getfixturevalue("compiled_loss")  # the tests run eagerly otherwise (conftest.py)
 
     logits, _ = _rows(5)
     teacher = torch.randn(5, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 3
@@ -247,8 +250,9 @@ def test_a_muon_run_under_torchrun_two_processes_gloo(store_workspace, tmp_path)
     cfg.write_text(f'target = "{model}"\nstore = "{store}"\noptimizer = "muon"\nloss = "lk"\nmax_steps = 3\n'
                    f'ttt_steps = 2\nbatch_tokens = 256\nautocast = "off"\nprogress = false\nplot = false\n'
                    f'eval_every = 3\nsave_every = 3\nout = "{tmp_path / "ddp"}"\n')
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29541", "-m", "draftsmith.cli", "train", "--config", str(cfg)], capture_output=True,
+    # --standalone: the rendezvous on a free port (a fixed one collides with a concurrent run of this test)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "draftsmith.cli", "train", "--config", str(cfg)], capture_output=True,
                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     blob = torch.load(tmp_path / "ddp" / "checkpoints" / "step-0000003" / "trainer_state.pt", weights_only=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from draftsmith.core.allocator import TRIM_EVERY_STEPS, release_free_memory
 from draftsmith.model.drafter import Eagle3Drafter
 from draftsmith.model.ttt import (
     TTTBatch,
@@ -284,6 +285,8 @@ def train_loop(run: Run) -> dict:
             state["step"] += 1
             state["batch_in_epoch"] += cfg.grad_accum
             step = state["step"]
+            if step % TRIM_EVERY_STEPS == 0:
+                release_free_memory()  # resident memory back to what is in use (core/allocator.py says why)
             if step % cfg.log_every == 0 or step == run.total_steps:
                 rate = tokens_seen * world / max(time.perf_counter() - t_start, 1e-9)
                 # elapsed_s on the checkpoints' clock: a resumed run's rows go on from its checkpoint's time
