@@ -32,6 +32,7 @@ from draftsmith.stages.decode import (
     logits_to_probs,
     ngram_match,
 )
+from draftsmith.stages.rounds import MISS, Interval, Totals, Trace, bootstrap, chain_run, replay, sampled_run
 from draftsmith.stages.verify_cost import DEFAULT_KS, Shape, VerifyCost, measure_verify_cost
 
 #: EAGLE-2 trees from narrow and shallow to EAGLE-2's own 6,10,60.
@@ -76,6 +77,10 @@ class Acceptance:
     token) is accepted exactly when the target's sample equals it, so ``ranks`` and ``lookup`` keep their
     meaning. A chain samples its drafts from the drafter and accepts with min(1, p/q): ``chain[d]`` is that
     rate, the mean of sum_x min(p(x), q(x)) (empty: greedy, where a chain accepts rank 0).
+
+    ``traces``: the same text position by position, one per calibration prompt (``rounds.Trace``). Where they are
+    there, expectations replay decoding's rounds on them instead of the formula over averaged rates (which
+    overstates tau wherever acceptance is uneven: see ``stages.rounds``), and come with an interval over prompts.
     """
 
     ranks: tuple[tuple[float, ...], ...]
@@ -85,6 +90,8 @@ class Acceptance:
     lookup_by_min: dict[int, tuple[tuple[float, ...], float]] = field(default_factory=dict)
     chain: tuple[float, ...] = ()
     temperature: float = 0.0
+    traces: tuple[Trace, ...] = ()
+    prompts: dict = field(default_factory=dict, compare=False)  # the calibration set's provenance, where known
 
     def rank(self, depth: int, j: int) -> float:
         if depth >= len(self.ranks) or j >= len(self.ranks[depth]):
@@ -112,19 +119,25 @@ class Acceptance:
         return {"ranks": [list(r) for r in self.ranks], "source": self.source, "lookup": list(self.lookup),
                 "lookup_rate": self.lookup_rate,
                 "lookup_by_min": {str(m): [list(r), rate] for m, (r, rate) in self.lookup_by_min.items()},
-                "chain": list(self.chain), "temperature": self.temperature}
+                "chain": list(self.chain), "temperature": self.temperature,
+                "traces": [t.to_dict() for t in self.traces]}
 
     @classmethod
     def from_dict(cls, d: dict, note: str = "") -> Acceptance:
         by_min = {int(m): (tuple(r), float(rate)) for m, (r, rate) in d.get("lookup_by_min", {}).items()}
         return cls(tuple(tuple(r) for r in d["ranks"]), d["source"] + note, tuple(d.get("lookup", ())),
                    float(d.get("lookup_rate", 0.0)), by_min, tuple(d.get("chain", ())),
-                   float(d.get("temperature", 0.0)))
+                   float(d.get("temperature", 0.0)), tuple(Trace.from_dict(t) for t in d.get("traces", ())))
 
 
 def tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
     """EAGLE-2's selection replayed on expected values: (value, depth) of the kept nodes, where a node's value is
-    its probability of lying on the target's path.
+    its probability of lying on the target's path (see ``tree_paths``)."""
+    return [(v, len(path)) for v, path in tree_paths(acc, shape)]
+
+
+def tree_paths(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, tuple[int, ...]]]:
+    """(value, ranks from the root) of the nodes EAGLE-2's selection keeps, replayed on expected values.
 
     Node value = product of its ranks' acceptance along its path (what the drafter's cumulative score estimates).
     Each level expands the top_k best nodes of the previous level by top_k children; the total_tokens - 1 best
@@ -133,12 +146,12 @@ def tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
     the sum of the kept nodes' values.
     """
     k = shape.top_k
-    level = [acc.rank(0, j) for j in range(k)]
-    nodes = [(v, 1) for v in level]
+    level = [(acc.rank(0, j), (j,)) for j in range(k)]
+    nodes = list(level)
     for d in range(1, shape.depth):
-        frontier = sorted(level, reverse=True)[:k]
-        level = [v * acc.rank(d, j) for v in frontier for j in range(k)]
-        nodes += [(v, d + 1) for v in level]
+        frontier = sorted(level, key=lambda n: n[0], reverse=True)[:k]
+        level = [(v * acc.rank(d, j), path + (j,)) for v, path in frontier for j in range(k)]
+        nodes += level
     return sorted(nodes, key=lambda n: n[0], reverse=True)[: shape.total_tokens - 1]
 
 
@@ -157,9 +170,12 @@ def hybrid_tau(acc: Acceptance, shape: HybridSpec) -> float:
 
 
 def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
-    """Expected tokens per verify pass (accepted + the bonus): 1 + sum_k prod_{i<=k} a_i for a chain."""
+    """Expected tokens per verify pass (accepted + the bonus): replayed rounds where ``acc`` has traces, else
+    1 + sum_k prod_{i<=k} a_i for a chain (and the tree's and hybrid's formulas)."""
     if shape is None:
         return 1.0
+    if acc.traces:
+        return expectation(acc, shape).tau.point
     if isinstance(shape, ChainSpec | BlockSpec):  # a block is verified as a chain
         tau, run = 1.0, 1.0
         for d in range(shape.k):
@@ -194,8 +210,127 @@ def expected_speedup(acceptance: Acceptance, shape: Shape | None, cost: VerifyCo
     """tau(shape) * t_step / (t_verify(shape) + t_draft(shape)); plain decoding (None) is 1 by definition."""
     if shape is None:
         return 1.0
+    if acceptance.traces:
+        return expectation(acceptance, shape, cost).speedup.point
     per_round = expected_verify_time(cost, shape, acceptance) + cost.t_draft(shape)
     return expected_tau(acceptance, shape) * cost.t_step / per_round if per_round > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """A shape's expected tau and speedup over plain decoding on the calibration prompts, each with its bootstrap
+    interval over prompts (``speedup`` None without a cost curve). ``low`` is the conservative value."""
+
+    tau: Interval
+    speedup: Interval | None
+
+    def to_dict(self) -> dict:
+        return {"tau": self.tau.to_dict(), "speedup": self.speedup.to_dict() if self.speedup else None}
+
+
+def _round_rule(acc: Acceptance, shape: Shape | NgramSpec, cost: VerifyCost | None, trace: Trace):
+    """(drafts accepted in the round starting at c, that round's seconds) for ``shape`` on one trace."""
+    verify = (lambda n, tree=False: cost.t_verify(n, tree)) if cost is not None else (lambda n, tree=False: 0.0)
+    if isinstance(shape, NgramSpec):
+        look = trace.lookup.get(shape.min_ngram, ())
+
+        def lookup_only(c: int) -> int:
+            return min(look[c], shape.k) if c < len(look) and look[c] >= 0 else 0
+
+        return lookup_only, lambda c: verify(1 + shape.k if c < len(look) and look[c] >= 0 else 1)
+    draft = cost.t_draft(shape) if cost is not None else 0.0
+    if isinstance(shape, ChainSpec | BlockSpec):
+        if trace.rates:
+            return (lambda c: sampled_run(trace.rates[c], shape.k)), lambda c: verify(shape.k + 1) + draft
+        return (lambda c: chain_run(trace.ranks[c], shape.k)), lambda c: verify(shape.k + 1) + draft
+    tree = tree_of(shape)
+    kept = {path for _, path in tree_paths(acc, tree)}
+
+    def on_tree(c: int) -> int:
+        r, d = trace.ranks[c], 0
+        while d < min(tree.depth, len(r)) and r[d] >= 0 and tuple(r[: d + 1]) in kept:
+            d += 1
+        return d
+
+    if not isinstance(shape, HybridSpec):
+        return on_tree, lambda c: verify(tree.total_tokens, True) + draft
+    look = trace.lookup.get(shape.lookup.min_ngram, ())
+
+    def grafted(c: int) -> int:
+        return max(on_tree(c), min(look[c], shape.lookup.k) if c < len(look) and look[c] >= 0 else 0)
+
+    def seconds(c: int) -> float:
+        lookup_proposes = c < len(look) and look[c] >= 0
+        return verify(verified_tokens(shape) if lookup_proposes else verified_tokens(tree), True) + draft
+
+    return grafted, seconds
+
+
+def replayed(acc: Acceptance, shape: Shape | NgramSpec, cost: VerifyCost | None = None) -> list[Totals]:
+    """Each calibration prompt's rounds of ``shape`` replayed on its trace (``stages.rounds``)."""
+    out = []
+    for trace in acc.traces:
+        accepted, seconds = _round_rule(acc, shape, cost, trace)
+        out.append(replay(trace.starts, accepted, seconds))
+    return out
+
+
+def expectation(acc: Acceptance, shape: Shape | NgramSpec | None, cost: VerifyCost | None = None) -> Expectation:
+    """Expected tau and speedup of ``shape`` with a bootstrap interval over the calibration prompts: replayed
+    rounds where ``acc`` has traces; else the formulas, as a point (an interval of zero width)."""
+    if shape is None:
+        return Expectation(Interval(1.0, 1.0, 1.0), Interval(1.0, 1.0, 1.0) if cost is not None else None)
+    if not acc.traces or not any(t.starts for t in acc.traces):
+        if isinstance(shape, NgramSpec):
+            reach = acc.lookup_stats(shape.min_ngram)[0]
+            tau = 1.0 + sum(reach[: shape.k])
+            return Expectation(Interval(tau, tau, tau), None)
+        tau = expected_tau(acc, shape)
+        speed = expected_speedup(acc, shape, cost) if cost is not None else None
+        return Expectation(Interval(tau, tau, tau), Interval(speed, speed, speed) if speed is not None else None)
+    totals = replayed(acc, shape, cost)
+    tau = bootstrap([t.tokens for t in totals], [t.rounds for t in totals])
+    speed = bootstrap([t.tokens * cost.t_step for t in totals], [t.seconds for t in totals]) \
+        if cost is not None and any(t.seconds for t in totals) else None
+    return Expectation(tau, speed)
+
+
+def chain_expectation(acc: Acceptance, max_k: int = 8, max_new_tokens: int | None = None) -> dict | None:
+    """The card's expected acceptance (the shape of ``calibration.decoded_expectation``) from a calibration with
+    traces: each greedy chain of k drafts replayed on them, the low end of its interval as ``by_k``."""
+    from draftsmith.stages.rounds import LEVEL
+
+    if not acc.traces or acc.temperature > 0:
+        return None
+    depth = min(max_k, max((len(r) for t in acc.traces for r in t.ranks), default=0))
+    if depth < 1:
+        return None
+    taus = {str(k): expectation(acc, ChainSpec(k)).tau for k in range(1, depth + 1)}
+    return {"source": f"greedy chains replayed on the target's answers ({acc.source})",
+            "held_out": bool(acc.prompts.get("held_out")),
+            "passes": sum(replayed(acc, ChainSpec(depth))[i].rounds for i in range(len(acc.traces))),
+            "prompts": dict(acc.prompts) or {"count": len(acc.traces)}, "k": depth, "temperature": 0.0,
+            **({"max_new_tokens": max_new_tokens} if max_new_tokens else {}),
+            "per_position": [], "by_k": {k: round(t.low, 4) for k, t in taus.items()},
+            "by_k_point": {k: round(t.point, 4) for k, t in taus.items()},
+            "by_k_interval": {k: [round(t.low, 4), round(t.high, 4)] for k, t in taus.items()},
+            "interval_level": LEVEL}
+
+
+def conservative_speedup(acc: Acceptance, shape: Shape | None, cost: VerifyCost) -> float:
+    """The lower end of ``shape``'s speedup interval: what ``choose_shape`` weighs shapes by.
+
+    Why the lower end: the expectation is a promise (``check`` holds an engine to the card's, a user plans with
+    ``--shape auto``'s), and it is measured on a dozen prompts while users' prompts vary far more than a machine's
+    timings do. Promising the low end costs a shape that pays a little more than said; promising the middle makes
+    a good drafter look broken wherever the prompts are harder than calibration's.
+    """
+    if shape is None:
+        return 1.0
+    if not acc.traces:
+        return expected_speedup(acc, shape, cost)
+    speed = expectation(acc, shape, cost).speedup
+    return speed.low if speed is not None else 0.0
 
 
 def shape_name(shape: Shape | None) -> str:
@@ -233,32 +368,45 @@ def block_candidates(drafter) -> list[BlockSpec]:
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen shape (None: plain decoding), its expected speedup, and a one-line reason; ``cost``: the verify
-    curve it was weighed on, kept so a report can say why (what a wide pass costs here) and not only what."""
+    """The chosen shape (None: plain decoding), its expected speedup (the conservative end of its interval: see
+    ``conservative_speedup``), and a one-line reason; ``cost``: the verify curve it was weighed on, kept so a report
+    can say why (what a wide pass costs here) and not only what; ``acceptance``: what it was weighed with (a bench
+    puts its expectation beside every method it measures)."""
 
     shape: Shape | None
     speedup: float
     reason: str
-    table: dict[str, float] = field(default_factory=dict)  # every candidate's expected speedup
+    table: dict[str, float] = field(default_factory=dict)  # every candidate's expected (conservative) speedup
     cost: VerifyCost | None = None
+    acceptance: Acceptance | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:
-        return {"shape": shape_name(self.shape), "expected_speedup": self.speedup, "reason": self.reason,
-                "candidates": self.table, **({"verify_cost": self.cost.to_dict()} if self.cost else {})}
+        out = {"shape": shape_name(self.shape), "expected_speedup": self.speedup, "reason": self.reason,
+               "candidates": self.table, **({"verify_cost": self.cost.to_dict()} if self.cost else {})}
+        if self.acceptance is not None:
+            exp = expectation(self.acceptance, self.shape, self.cost)
+            out["expected"] = exp.to_dict()
+            out["calibration"] = self.acceptance.source
+        return out
 
 
 def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[Shape] = DEFAULT_CANDIDATES,
                  max_top_k: int | None = None) -> Choice:
-    """The argmax of ``expected_speedup`` over the candidates, or plain decoding when none exceeds 1."""
+    """The argmax of the conservative expected speedup over the candidates, or plain decoding when none exceeds 1.
+
+    With calibration traces a shape is weighed by the lower end of its interval over prompts
+    (``conservative_speedup``); without, by the formulas' point estimate.
+    """
     usable = [s for s in candidates if (max_top_k is None or tree_of(s) is None or tree_of(s).top_k <= max_top_k)
               and (not isinstance(s, HybridSpec) or acceptance.lookup_stats(s.lookup.min_ngram)[0])]
     # (no lookup measured: a hybrid would be its tree)
-    table = {shape_name(s): expected_speedup(acceptance, s, cost) for s in usable}
+    table = {shape_name(s): conservative_speedup(acceptance, s, cost) for s in usable}
     best = max(usable, key=lambda s: table[shape_name(s)], default=None)
     if best is None or table[shape_name(best)] <= 1.0:
         top = f"; best was {shape_name(best)} at {table[shape_name(best)]:.2f}x" if best is not None else ""
-        return Choice(None, 1.0, f"no shape pays on this machine{top}", table, cost)
-    tau = expected_tau(acceptance, best)
+        return Choice(None, 1.0, f"no shape pays on this machine{top}", table, cost, acceptance)
+    exp = expectation(acceptance, best, cost)
+    tau = exp.tau.low
     v = expected_verify_time(cost, best, acceptance) / cost.t_step
     dr = cost.t_draft(best) / cost.t_step
     others = []
@@ -268,9 +416,13 @@ def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[
             r = max(rivals, key=lambda s: table[shape_name(s)])
             others.append(f"{shape_name(r)} {table[shape_name(r)]:.2f}x")
     at = f" at T={acceptance.temperature:g}" if acceptance.temperature > 0 else ""
-    reason = (f"expected {table[shape_name(best)]:.2f}x{at}: tau {tau:.2f} at verify {v:.2f}x + draft {dr:.2f}x "
-              f"a step; {', '.join([*others, 'plain 1.00x'])}")
-    return Choice(best, table[shape_name(best)], reason, table, cost)
+    spread = ""
+    if acceptance.traces and exp.speedup is not None:
+        spread = (f" (the low end of {exp.speedup.label()}x, {exp.speedup.level:.0%} over "
+                  f"{len(acceptance.traces)} prompts; point {exp.speedup.point:.2f}x)")
+    reason = (f"expected {table[shape_name(best)]:.2f}x{at}{spread}: tau {tau:.2f} at verify {v:.2f}x + draft "
+              f"{dr:.2f}x a step; {', '.join([*others, 'plain 1.00x'])}")
+    return Choice(best, table[shape_name(best)], reason, table, cost, acceptance)
 
 
 def describe(choice: Choice, dtype_note: str = "") -> str:
@@ -312,12 +464,16 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
     chain = torch.zeros(depth)  # sampled chains: summed min(p, q) mass
     counts = torch.zeros(depth)
     lookup = LookupReach()
+    traces = []
     for prompt in prompts:
         gen = decoder.generate(list(prompt), max_new_tokens, sampling, eos_token_ids=stops,
                                generator=generator).token_ids
-        lookup.add(list(prompt), gen)
+        looked = lookup.add(list(prompt), gen)
         seq = torch.tensor([list(prompt) + gen], device=target.device)
         n, start = seq.shape[1], len(prompt) + 1  # predicted tokens: the target's, after its first
+        starts = max(0, len(gen) - 1)  # round starts: the context ends with answer token c, c + 1 is drafted
+        ranks = [[MISS] * depth for _ in range(starts)]
+        rates = [[0.0] * depth for _ in range(starts)] if not sampling.greedy else []
         out = target(seq)
         batch = TTTBatch(seq, torch.ones_like(seq, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
                          out.hidden_state, torch.tensor([n], device=seq.device))
@@ -334,17 +490,28 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
             match = best == seq[0, cols + 2 + d][:, None]
             hits[d] += match.float().sum(0).cpu()
             counts[d] += cols.numel()
+            # Column t drafts the round whose context ends at t + 1, i.e. answer token c = t + 1 - len(prompt).
+            round_of = [t + 1 - len(prompt) for t in cols.tolist()]
+            for c, r in zip(round_of, torch.where(match.any(-1), match.float().argmax(-1), MISS).tolist(),
+                            strict=True):
+                if 0 <= c < starts:
+                    ranks[c][d] = int(r)
             if not sampling.greedy:  # token t+2+d is drawn from the target's logits at t+1+d
                 p = logits_to_probs(out.logits[0, cols + 1 + d], sampling)[:, draft_ids]
                 q = logits_to_probs(logits, sampling)
-                chain[d] += torch.minimum(p, q).sum().cpu()
+                both = torch.minimum(p, q).sum(-1)
+                chain[d] += both.sum().cpu()
+                for c, r in zip(round_of, both.tolist(), strict=True):
+                    if 0 <= c < starts:
+                        rates[c][d] = float(r)
+        traces.append(Trace(tuple(tuple(r) for r in ranks), looked, tuple(tuple(r) for r in rates)))
     # Rates conditional on the previous depths accepted: teacher forcing feeds the target's tokens.
     ranks = tuple(tuple((hits[d] / counts[d]).tolist()) if counts[d] else () for d in range(depth))
     rates = () if sampling.greedy else tuple(float(chain[d] / counts[d]) if counts[d] else 0.0 for d in range(depth))
     by_min = {m: lookup.result(m) for m in HYBRID_MIN_NGRAMS if m > 1}
     at = f" at T={temperature:g}" if temperature > 0 else ""
     return Acceptance(ranks, f"calibration on {len(prompts)} prompts{at}", *lookup.result(), by_min, rates,
-                      temperature)
+                      temperature, tuple(traces))
 
 
 @torch.no_grad()
@@ -368,13 +535,16 @@ def calibrate_block_acceptance(target: Target, drafter, prompts: Sequence[Sequen
     k = drafter.config.num_drafts
     hits, counts, mass, valid = torch.zeros(k), torch.zeros(k), torch.zeros(k), torch.zeros(k)
     lookup = LookupReach()
+    traces = []
     for prompt in prompts:
         gen = decoder.generate(list(prompt), max_new_tokens, sampling, eos_token_ids=stops,
                                generator=generator).token_ids
-        lookup.add(list(prompt), gen)
+        looked = lookup.add(list(prompt), gen)
         seq = torch.tensor([list(prompt) + gen], device=target.device)
         out = target(seq)
         starts = torch.arange(len(prompt), seq.shape[1] - 1, device=seq.device)  # anchors: the generated tokens
+        ranks: list[tuple[int, ...]] = []  # anchor c (answer token c): rank 0 at each slot its draft matched
+        slot_rates: list[tuple[float, ...]] = []
         for chunk in starts.split(anchors_per_pass):
             res = drafter.forward_train(out.aux_hidden_states, seq, chunk[None])
             pos, ok = res.positions[0], res.positions[0] >= 0  # [A, k]
@@ -386,13 +556,17 @@ def calibrate_block_acceptance(target: Target, drafter, prompts: Sequence[Sequen
             if not sampling.greedy:  # the token at p is drawn from the target's logits at p - 1
                 p = logits_to_probs(out.logits[0, (pos - 1).clamp(min=0)], sampling)[..., draft_ids]
                 q = logits_to_probs(res.logits[0], sampling)
-                mass += (torch.minimum(p, q).sum(-1) * ok).sum(0).cpu()
+                both = torch.minimum(p, q).sum(-1) * ok
+                mass += both.sum(0).cpu()
+                slot_rates += [tuple(r) for r in both.tolist()]
+            ranks += [tuple(0 if m else MISS for m in row) for row in match.tolist()]
+        traces.append(Trace(tuple(ranks), looked, tuple(slot_rates)))
     rates = tuple(float(hits[d] / counts[d]) if counts[d] else 0.0 for d in range(k))
     chain = () if sampling.greedy else tuple(float(mass[d] / valid[d]) if valid[d] else 0.0 for d in range(k))
     by_min = {m: lookup.result(m) for m in HYBRID_MIN_NGRAMS if m > 1}
     at = f" at T={temperature:g}" if temperature > 0 else ""
     return Acceptance(tuple((r,) for r in rates), f"block calibration on {len(prompts)} prompts{at}",
-                      *lookup.result(), by_min, chain, temperature)
+                      *lookup.result(), by_min, chain, temperature, tuple(traces))
 
 
 @dataclass
@@ -411,17 +585,24 @@ class LookupReach:
         self.proposed = [0] * (self.spec.max_ngram + 1)
         self.reach = [[0] * self.depth for _ in self.proposed]
 
-    def add(self, prompt: list[int], gen: list[int]) -> None:
-        """A round starts after each emitted token but the last: the context ends with it, the rest is ahead."""
+    def add(self, prompt: list[int], gen: list[int]) -> dict[int, tuple[int, ...]]:
+        """A round starts after each emitted token but the last: the context ends with it, the rest is ahead.
+        Returns, for each n-gram floor of ``HYBRID_MIN_NGRAMS``, lookup's right tokens at each round start
+        (MISS where it proposes nothing): a ``rounds.Trace``'s ``lookup``."""
         seq = prompt + gen
+        right: list[tuple[int, int]] = []  # (n-gram matched, 0 when nothing is proposed; right tokens)
         for t in range(len(prompt), len(seq) - 1):
             n, proposal = ngram_match(seq[: t + 1], self.spec)
             self.positions += 1
             self.proposed[n] += bool(proposal)
+            good = 0
             for d, tok in enumerate(proposal):
                 if t + 1 + d >= len(seq) or seq[t + 1 + d] != tok:
                     break
                 self.reach[n][d] += 1
+                good += 1
+            right.append((n if proposal else 0, good))
+        return {m: tuple(good if n >= m else MISS for n, good in right) for m in HYBRID_MIN_NGRAMS}
 
     def result(self, min_ngram: int = 1) -> tuple[tuple[float, ...], float]:
         """(P(lookup's first d+1 tokens are right) for each d, P(it proposes anything)), for lookup that needs
@@ -431,18 +612,6 @@ class LookupReach:
         ns = range(min_ngram, len(self.proposed))
         return (tuple(sum(self.reach[n][d] for n in ns) / self.positions for d in range(self.depth)),
                 sum(self.proposed[n] for n in ns) / self.positions)
-
-
-def calibration_set(drafter_dir: str | Path | None, tokenizer):
-    """The drafter's training run's held-out prompts where the run can be found beside it, else the hand-written
-    ones (not known held out: a drafter from elsewhere may have seen anything). A ``CalibrationSet``."""
-    from draftsmith.stages.calibration import CalibrationSet, heldout_calibration
-
-    held = heldout_calibration(drafter_dir, tokenizer)
-    if held is not None:
-        return held
-    return CalibrationSet(calibration_prompts(tokenizer), f"{len(CALIBRATION_PROMPTS)} hand-written prompts (no "
-                          "training run beside the drafter: its held-out split is unknown)", False)
 
 
 def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
@@ -488,7 +657,7 @@ def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, p
     key = {"target": target.fingerprint(), "dtype": str(target.dtype).removeprefix("torch."), "drafter": weights,
            "prompts": hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()[:16],
            "calibrate": dict(sorted(calibrate.items())), "lookup_depth": LOOKUP_DEPTH,
-           "lookup_min_ngrams": list(HYBRID_MIN_NGRAMS)}
+           "lookup_min_ngrams": list(HYBRID_MIN_NGRAMS), "traces": 1}
     hit = None if refresh or weights is None else cache_get("acceptance", key)
     if hit is not None:
         return Acceptance.from_dict(hit, ", cached"), True
@@ -512,8 +681,8 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
                ) -> tuple[Choice, VerifyCost, Acceptance]:
     """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json.
 
-    Calibration prompts: the drafter's training run's held-out split where the run can be found beside it
-    (``stages.calibration``), else the hand-written ``CALIBRATION_PROMPTS``; ``prompts`` overrides both.
+    Calibration prompts: draftsmith's mixed calibration set, out of the training distribution and no evaluation
+    set (``stages.calibration``); ``prompts`` overrides it.
 
     ``acceptance``: already known (the same drafter calibrated in another dtype): only the curve is measured.
     A block drafter weighs its block lengths (``block_candidates``) instead of the EAGLE-3 shapes.
@@ -528,16 +697,33 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
     acc, where = acceptance, ""
     if acc is None and prompts is None and target.tokenizer is not None:
-        cal = calibration_set(drafter_dir, target.tokenizer)  # the run's held-out split where it can be found
-        prompts, where = cal.prompts, f" ({cal.source})"
+        from draftsmith.stages.calibration import calibration_set
+
+        cal = calibration_set(drafter_dir, target.tokenizer)  # the mixed set, out of the training distribution
+        prompts, where, provenance = cal.prompts, f" ({cal.source})", cal.provenance()
+    else:
+        provenance = {"set": "given prompts", "count": len(prompts or ())}
     if acc is None and prompts:
         acc, _ = cached_acceptance(target, drafter, drafter_dir, prompts, depth=max_depth, top_k=max_k,
                                    **(calibrate or {}))
-        acc = dataclasses.replace(acc, source=acc.source + where)
+        acc = dataclasses.replace(acc, source=acc.source + where, prompts=provenance)
     if (acc is None or not any(acc.ranks)) and drafter_dir is not None:
         acc = acceptance_from_eval(drafter_dir)
     acc = acc or Acceptance((), "none")
     return choose_shape(acc, cost, candidates, max_top_k=drafter.config.draft_vocab_size), cost, acc
+
+
+def expectation_basis(target: Target, drafter, drafter_dir: str | Path | None, extra: Sequence = (),
+                      max_new_tokens: int | None = None, temperature: float = 0.0) -> tuple[Acceptance, VerifyCost]:
+    """The calibrated acceptance and the verify curve ``--shape auto`` weighs shapes with (both cached), wide
+    enough for ``extra`` shapes too: what a bench sets beside every method it measures."""
+    candidates = list(block_candidates(drafter) if drafts_blocks(drafter) else DEFAULT_CANDIDATES)
+    candidates += [s for s in extra if isinstance(s, ChainSpec | TreeSpec | HybridSpec | BlockSpec)
+                   and s not in candidates]
+    calibrate = {"max_new_tokens": calibration_tokens(max_new_tokens),
+                 **({"temperature": float(temperature)} if temperature > 0 else {})}
+    _, cost, acc = auto_shape(target, drafter, drafter_dir, candidates=candidates, calibrate=calibrate)
+    return acc, cost
 
 
 def calibration_tokens(max_new_tokens: int | None) -> int:

@@ -64,9 +64,14 @@ def expected_acceptance(drafter_dir: str | Path | None) -> dict | None:
         acc = [float(a) for a in ev["acc"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    run = run_of(drafter_dir)
+    data = training_facts(drafter_dir)["data"] if run is not None else None
     return {"source": "held-out split at training (eval.json: samples chosen by a hash of their id, never "
                       "trained on; teacher-forced chain, greedy)",
             "held_out": True, "step": ev.get("step"), "tokens": ev.get("tokens"),
+            "prompts": {"set": f"held-out split of {data}" if data else "held-out split of the training data",
+                        "count": ev.get("samples"), "in_distribution": True},
+            "k": len(acc), "temperature": 0.0,
             "per_position": [round(a, 4) for a in acc], "by_k": expected_by_k(acc)}
 
 
@@ -272,9 +277,16 @@ def render_card(facts: dict) -> str:
         where = (f"step {exp.get('step')}, {exp.get('tokens')} tokens" if "step" in exp
                  else f"{exp.get('passes')} verify passes")
         lines += [f"Acceptance length (accepted drafts + 1 per verify pass) of a greedy chain of k drafts, from the "
-                  f"{exp['source']}; {where}.", "",
-                  "| k | " + " | ".join(exp["by_k"]) + " |", "|---|" + "---|" * len(exp["by_k"]),
+                  f"{exp['source']}; {where}.", ""]
+        if provenance_line(exp):
+            lines += [provenance_line(exp), ""]
+        lines += ["| k | " + " | ".join(exp["by_k"]) + " |", "|---|" + "---|" * len(exp["by_k"]),
                   "| acceptance length | " + " | ".join(f"{v:.2f}" for v in exp["by_k"].values()) + " |"]
+        if exp.get("by_k_interval"):
+            lines += ["| point estimate | " + " | ".join(f"{exp['by_k_point'][k]:.2f}" for k in exp["by_k"]) + " |",
+                      f"| {exp.get('interval_level', 0.9):.0%} interval over prompts | "
+                      + " | ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in (exp["by_k_interval"][k] for k in exp["by_k"]))
+                      + " |"]
         if exp.get("per_position") and "block_size" in facts:  # a block drafter: the rate at each draft slot
             pos = exp["per_position"][: len(exp["by_k"])]
             lines.append("| accepted at this position (given the earlier ones) | "
@@ -326,6 +338,23 @@ def render_card(facts: dict) -> str:
     return "\n".join(lines)
 
 
+def provenance_line(exp: dict) -> str | None:
+    """Where the expected acceptance came from, in one sentence: which prompts, how many, at what k and temperature
+    (None for a card written before it was recorded)."""
+    src = exp.get("prompts")
+    if not isinstance(src, dict):
+        return None
+    count = f"{src['count']} prompts" if src.get("count") is not None else "prompts"
+    kind = (" (the training distribution: expect less on users' prompts)" if src.get("in_distribution")
+            else " (out of the training distribution, no evaluation set)")
+    length = f", {exp['max_new_tokens']} new tokens each" if exp.get("max_new_tokens") else ""
+    low = (f"; the first row is the low end of the {exp.get('interval_level', 0.9):.0%} interval over prompts, "
+           "what `draftsmith check` holds engines to" if exp.get("by_k_interval") else "")
+    return (f"Calibrated on {count} of {src.get('set') or 'an unnamed set'}{kind}, a greedy chain of up to "
+            f"k={exp.get('k', len(exp.get('by_k', {})))} drafts at temperature {exp.get('temperature', 0.0):g}"
+            f"{length}{low}.")
+
+
 def write_card(out_dir: str | Path, facts: dict) -> tuple[Path, Path]:
     """README.md and drafter_card.json in ``out_dir``, each written atomically."""
     out_dir = Path(out_dir)
@@ -350,6 +379,26 @@ def record_check(path: str | Path, check: dict) -> Path:
     facts.setdefault("versions", {}).setdefault("engines", {})[check["engine"]] = check["version"]
     facts["checks"] = [c for c in facts.get("checks") or []
                        if (c.get("engine"), c.get("k")) != (check["engine"], check["k"])] + [check]
+    atomic_write(folder / CARD_JSON, (json.dumps(facts, indent=2) + "\n").encode())
+    if ours:
+        atomic_write(readme, render_card(facts).encode())
+    return folder / CARD_JSON
+
+
+def set_expected(path: str | Path, expected: dict) -> Path:
+    """Put a calibrated expectation (``calibration.decoded_expectation``'s shape) into an exported drafter's card,
+    keeping what it replaces as ``simulated_acceptance`` where that was training's; README.md is rewritten when it
+    is the card's own rendering. Returns the JSON's path."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    facts = read_card(folder)
+    if facts is None:
+        raise ValueError(f"{folder}: no drafter_card.json to put the expectation into (export it with draftsmith)")
+    readme = folder / CARD_FILE
+    ours = not readme.exists() or _is_card_readme(readme.read_text(), facts)
+    if facts.get("simulated_acceptance") is None and "step" in (facts.get("expected_acceptance") or {}):
+        facts["simulated_acceptance"] = facts["expected_acceptance"]
+    facts["expected_acceptance"] = expected
     atomic_write(folder / CARD_JSON, (json.dumps(facts, indent=2) + "\n").encode())
     if ours:
         atomic_write(readme, render_card(facts).encode())
