@@ -248,7 +248,7 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
 def add_expected(rows: dict[str, dict], specs: dict, temperature: float, expected: Sequence) -> None:
     """Each row's expectation (``shapes.expectation``: tau and speedup, the conservative low end, the point and
     the interval over calibration prompts) from the calibration made at this temperature, where there is one."""
-    from draftsmith.stages.shapes import expectation
+    from draftsmith.stages.expectation import expectation
 
     for acc, cost in expected:
         if abs(acc.temperature - temperature) > 1e-9:
@@ -419,14 +419,18 @@ def write_report(report: dict, out: Path) -> dict[str, Path]:
 def markdown_table(report: dict, command: str | None = None) -> str:
     """The report as a Markdown table, with the machine and the command that produced it."""
     info = report["machine"]
-    rows = ["| dataset | T | method | acceptance length | expected | tok/s | speedup | expected | bound | "
-            "same as plain (tie) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    # Expected columns only where the report has expectations (an older report's table stays as it was rendered).
+    has = any("expected" in m for res in report["results"] for m in res["methods"].values())
+    exp = (lambda m, key, unit="": f" {_expected(m, key, unit)} |") if has else (lambda m, key, unit="": "")  # noqa: E731
+    rows = ["| dataset | T | method | acceptance length |" + (" expected |" if has else "") + " tok/s | speedup |"
+            + (" expected |" if has else "") + " bound | same as plain (tie) |",
+            "|---|---|---|---|---|---|---|---|" + ("---|---|" if has else "")]
     for res in report["results"]:
         for name, m in res["methods"].items():
             bound = f"{m['speedup_bound']:.2f}x" if m.get("speedup_bound") else "-"
             rows.append(f"| {res['dataset']} ({res['prompts']} prompts) | {res['temperature']:g} | {name} | "
-                        f"{m['acceptance_length']:.2f} | {_expected(m, 'tau')} | {m['tokens_per_second']:.1f} | "
-                        f"{m['speedup']:.2f}x | {_expected(m, 'speedup', 'x')} | {bound} | {_same(m)} |")
+                        f"{m['acceptance_length']:.2f} |{exp(m, 'tau')} {m['tokens_per_second']:.1f} | "
+                        f"{m['speedup']:.2f}x |{exp(m, 'speedup', 'x')} {bound} | {_same(m)} |")
     rows.append("")
     rows.append(f"Target {_target_line(report, '`')}, max {report['max_new_tokens']} new tokens; "
                 f"machine: {machine_line(info)}. Bound: tau x plain step time / (verify + draft time per round). "

@@ -323,7 +323,8 @@ def _bench(args, argv: list[str]) -> int:
                        train_conversations=args.train_conversations, expected=expected)
     report.update({"auto_shape": {**choice.to_dict(), "dtype": note}} if choice else {})
     if expected and not blocks:
-        from draftsmith.stages.shapes import calibration_tokens, chain_expectation
+        from draftsmith.stages.expectation import chain_expectation
+        from draftsmith.stages.shapes import calibration_tokens
 
         greedy = next((acc for acc, _ in expected if acc.temperature == 0), None)
         card = chain_expectation(greedy, max_new_tokens=calibration_tokens(args.max_new_tokens)) if greedy else None
