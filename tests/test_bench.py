@@ -168,3 +168,14 @@ def test_bench_measures_prompt_lookup_at_each_length_given(bench_dirs, capsys, t
     assert list(methods) == ["plain", "eagle3 tree 2,2,3", "hybrid 2,2,3+lookup 2", "prompt lookup k=2",
                              "prompt lookup k=5"]
     assert all(m["identical_to_plain"] == "1/1" for name, m in methods.items() if name != "plain")
+    # Issue 60: every method's expectation (calibrated on the mixed set) beside its measurement, and the table
+    # prints both; the report says where the expectation came from and what a card could promise.
+    report = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert "draftsmith-mixed-v1" in report["expected_from"][0]
+    for m in methods.values():
+        tau = m["expected"]["tau"]
+        assert tau["low"] <= tau["point"] <= tau["high"] and m["expected"]["speedup"]["point"] > 0
+    assert methods["plain"]["expected"]["tau"]["point"] == 1.0
+    assert report["card_expectation"]["prompts"]["set"] == "draftsmith-mixed-v1"
+    table = (tmp_path / "b" / "bench.txt").read_text()
+    assert "expected" in table.splitlines()[0] and "from calibration on" in table

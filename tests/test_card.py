@@ -14,7 +14,15 @@ from draftsmith.cli import main
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.model.drafter import new_drafter
 from draftsmith.stages.export import export_drafter
-from draftsmith.stages.export.card import CARD_FILE, CARD_JSON, expected_by_k, read_card
+from draftsmith.stages.export.card import (
+    CARD_FILE,
+    CARD_JSON,
+    expected_acceptance,
+    expected_by_k,
+    provenance_line,
+    read_card,
+    set_expected,
+)
 
 ACC = [0.8, 0.6, 0.5]
 
@@ -59,6 +67,42 @@ def test_export_writes_a_card_the_hub_parser_reads(tmp_path, fmt):
     if fmt != "speculators":
         assert "--speculative-config" in facts["usage"]["vllm"]
     assert "| acceptance length | 1.80 | 2.28 | 2.52 |" in card.text
+
+
+def test_card_records_where_its_expectation_came_from(tmp_path):
+    """Training's held-out split is named as such (in distribution), with how many samples and at what k."""
+    run = _run(tmp_path)
+    (run / "best" / "eval.json").write_text(json.dumps({"step": 40, "acc": ACC, "tokens": 900, "samples": 12}))
+    exp = expected_acceptance(run / "best")
+    assert exp["prompts"]["count"] == 12 and exp["prompts"]["in_distribution"] and exp["k"] == len(ACC)
+    assert exp["temperature"] == 0.0 and "held-out split of" in exp["prompts"]["set"]
+    line = provenance_line(exp)
+    assert line.startswith("Calibrated on 12 prompts of held-out split of") and "training distribution" in line
+    assert f"k={len(ACC)}" in line
+
+
+def test_set_expected_puts_a_calibrated_expectation_into_an_exported_card(tmp_path):
+    """The demo's card promises what its calibration replayed (``shapes.chain_expectation``), not training's
+    simulation, which it keeps as simulated_acceptance; README.md says where the numbers came from."""
+    from draftsmith.stages.rounds import MISS, Trace
+    from draftsmith.stages.shapes import Acceptance, chain_expectation
+
+    run = _run(tmp_path)
+    out = tmp_path / "export"
+    export_drafter(run / "best", out, "vllm", dtype="fp32")
+    ranks = [(0, 0, MISS)] * 30 + [(MISS,) * 3] * 30
+    traces = (Trace(tuple(ranks), {}), Trace(tuple([(0, MISS, MISS)] * 60), {}))
+    acc = Acceptance(((0.5,),) * 3, "calibration on 2 prompts",
+                     traces=traces, prompts={"set": "draftsmith-mixed-v1", "count": 2, "held_out": True})
+    exp = chain_expectation(acc, max_new_tokens=64)
+    assert list(exp["by_k"]) == ["1", "2", "3"] and exp["prompts"]["count"] == 2 and exp["k"] == 3
+    assert all(exp["by_k"][k] <= exp["by_k_point"][k] for k in exp["by_k"])
+    set_expected(out, exp)
+    facts = read_card(out)
+    assert facts["expected_acceptance"] == exp and facts["simulated_acceptance"]["by_k"] == expected_by_k(ACC)
+    readme = (out / CARD_FILE).read_text()
+    assert "Calibrated on 2 prompts of draftsmith-mixed-v1 (out of the training distribution" in readme
+    assert "64 new tokens each" in readme and "| point estimate |" in readme
 
 
 def test_card_without_a_run_says_so_and_takes_base_model_from_the_run_or_target(tmp_path):
@@ -133,16 +177,17 @@ def test_push_to_hub_failure_is_one_line(tmp_path, monkeypatch, capsys):
                  "--push-to-hub", "not a repo"]) == 2
 
 
-@pytest.mark.slow  # decodes the held-out prompts: the slow suite
-def test_card_expectation_measured_by_decoding_held_out_prompts(tmp_path):
-    """export --calibrate-target: the card's expected acceptance is a decode of the run's held-out prompts (training's
-    simulated one kept beside it), and its chain-5 number is exactly what that decode accepts."""
+@pytest.mark.slow  # decodes the calibration prompts: the slow suite
+def test_card_expectation_measured_by_decoding_calibration_prompts(tmp_path):
+    """export --calibrate-target: the card's expected acceptance is a decode of the mixed calibration prompts
+    (training's simulated one kept beside it), its chain-5 point is exactly what that decode accepts, the promise is
+    the low end of its interval, and the card says which prompts, how many, at what k and temperature."""
     from conftest import save_tiny_chat_model
 
     from draftsmith.model.drafter import load_drafter
     from draftsmith.model.target import load_target
+    from draftsmith.stages.calibration import MIXED_SET, calibration_set
     from draftsmith.stages.check.replay import chain_tau
-    from draftsmith.stages.shapes import calibration_set
 
     save_tiny_chat_model(tmp_path / "target")
     target = load_target(str(tmp_path / "target"), dtype=torch.float32)
@@ -168,4 +213,11 @@ def test_card_expectation_measured_by_decoding_held_out_prompts(tmp_path):
     from draftsmith.data.chat import stop_token_ids
 
     tau5 = chain_tau(target, drafter, cal.prompts, 5, 96, list(stop_token_ids(target.tokenizer)))[0]
-    assert abs(exp["by_k"]["5"] - tau5) < 1e-3
+    assert abs(exp["by_k_point"]["5"] - tau5) < 1e-3
+    lo, hi = exp["by_k_interval"]["5"]
+    assert exp["by_k"]["5"] == lo <= tau5 + 1e-3 and tau5 <= hi + 1e-3
+    assert exp["prompts"]["set"] == MIXED_SET and exp["prompts"]["count"] == len(cal.prompts)
+    assert (exp["k"], exp["temperature"], exp["max_new_tokens"]) == (5, 0.0, 96)
+    readme = (out / CARD_FILE).read_text()
+    assert f"Calibrated on {len(cal.prompts)} prompts of {MIXED_SET}" in readme and "k=5" in readme
+    assert "| point estimate |" in readme and "interval over prompts |" in readme

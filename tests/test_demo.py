@@ -39,6 +39,13 @@ def test_tiny_demo_pipeline(tmp_path):
     assert exported["eagle_aux_hidden_state_layer_ids"] == list(target.aux_layers)
     report = json.loads((work / "bench" / "bench.json").read_text())
     assert (work / "bench" / "bench.png").is_file()
+    # Issue 60: the card promises what the bench's calibration (the mixed set) expects, and says so; training's
+    # simulated number stays beside it.
+    card = json.loads((work / "export" / "vllm" / "drafter_card.json").read_text())
+    assert card["expected_acceptance"] == report["card_expectation"]
+    assert card["expected_acceptance"]["prompts"]["set"] == "draftsmith-mixed-v1"
+    assert card["simulated_acceptance"]["source"].startswith("held-out split at training")
+    assert all("expected" in m for m in report["results"][0]["methods"].values())
     assert result["bench"]["plain"]["speedup"] == 1.0
 
     # bench's acceptance equals the decoder's own count on the same prompts.

@@ -189,3 +189,21 @@ def test_a_shape_that_pays_but_loses_to_prompt_lookup_says_so():
     assert "0.87x prompt lookup (prompt lookup k=10 1.82x, no drafter); prompt lookup alone is faster" in v["says"][0]
     assert v["says"][0].endswith("(`draftsmith decode --prompt-lookup 10`).")
     assert "alone is faster" not in verdict(amx_hybrid_pays())["says"][0]
+
+
+def test_the_verdict_gives_the_expectations_interval_and_the_table_sets_it_beside_the_measurement():
+    """Issue 60: the conservative expectation leads, with its interval over calibration prompts and its point; the
+    bench table prints each method's expected tau and speedup next to what it measured."""
+    rep = amx_hybrid_pays()
+    spread = {"low": 1.38, "point": 1.71, "high": 2.02, "level": 0.9}
+    rep["auto_shape"]["expected"] = {"tau": {"low": 2.0, "point": 2.4, "high": 2.9, "level": 0.9},
+                                     "speedup": spread}
+    rep["expected_from"] = ["calibration on 8 prompts (8 prompts of draftsmith-mixed-v1)"]
+    rep["results"][0]["methods"]["hybrid 2,6,10+lookup 3"]["expected"] = rep["auto_shape"]["expected"]
+    table = format_table(rep)
+    text = summary_text(result(), rep, table)
+    assert ("--shape auto expected 1.38x (the low end of 1.38-2.02x over the calibration prompts; point 1.71x)"
+            in text.splitlines()[0])
+    hybrid = next(line for line in table.splitlines() if "hybrid 2,6,10+lookup 3" in line)
+    assert "2.00 (2.40, 2.00-2.90)" in hybrid and "1.38x (1.71, 1.38-2.02)" in hybrid and "2.13" in hybrid
+    assert "draftsmith-mixed-v1" in table

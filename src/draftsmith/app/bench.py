@@ -173,8 +173,11 @@ def warn_leaks(prompt_sets: dict[str, list[BenchPrompt]], conversations: Sequenc
 def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, temperatures: Sequence[float] = (0.0,),
               limit: int | None = None, turns: int | None = None, max_new_tokens: int = 128,
               prompt_lookup_ks: Sequence[int] = (3,), seed: int = 0, progress: bool = True,
-              train_conversations: Sequence[str | Path] = ()) -> dict:
+              train_conversations: Sequence[str | Path] = (), expected: Sequence = ()) -> dict:
     """The whole measurement; returns a JSON-able report (see ``format_table``).
+
+    ``expected``: (Acceptance, VerifyCost) pairs from calibration (``shapes.expectation_basis``); every method
+    measured at an acceptance's temperature gets what it expected beside what it measured, so the gap shows.
 
     Raises UsageError before decoding anything for bad arguments or a prompt set with no usable prompt.
     """
@@ -192,7 +195,8 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
         d.generate(tok(warm, add_special_tokens=False)["input_ids"], 4, eos_token_ids=stops)
     report = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "packed": target.packed,
               "device": str(target.device), "machine": machine_info(),
-              "max_new_tokens": max_new_tokens, "results": [], **({"leaked_prompts": leaked} if leaked else {})}
+              "max_new_tokens": max_new_tokens, "results": [], **({"leaked_prompts": leaked} if leaked else {}),
+              **({"expected_from": [acc.source for acc, _ in expected]} if expected else {})}
     for dataset in datasets:
         prompts = prompt_sets[dataset]
         for temperature in temperatures:
@@ -235,9 +239,23 @@ def run_bench(target, drafter, datasets: Sequence[str], specs: Sequence, tempera
                     for name, s in stats.items()}
             for row in rows.values():
                 row["speedup_bound"] = speedup_bound(row, rows["plain"])
+            add_expected(rows, dict(methods), temperature, expected)
             report["results"].append({"dataset": dataset, "temperature": temperature, "prompts": len(prompts),
                                       "methods": rows})
     return report
+
+
+def add_expected(rows: dict[str, dict], specs: dict, temperature: float, expected: Sequence) -> None:
+    """Each row's expectation (``shapes.expectation``: tau and speedup, the conservative low end, the point and
+    the interval over calibration prompts) from the calibration made at this temperature, where there is one."""
+    from draftsmith.stages.expectation import expectation
+
+    for acc, cost in expected:
+        if abs(acc.temperature - temperature) > 1e-9:
+            continue
+        for name, row in rows.items():
+            row["expected"] = expectation(acc, specs[name], cost).to_dict()
+        return
 
 
 def diverged_at_tie(target, prompt_ids: list[int], plain_ids: list[int], other_ids: list[int]) -> bool:
@@ -301,8 +319,9 @@ def _bar(enabled: bool, total: int, desc: str):
 
 def format_table(report: dict) -> str:
     """One row per method; 'bound' is tau * t_step / (t_verify + t_draft) and the time split says where it goes."""
-    lines = [f"{'dataset':<12}{'T':>4}  {'method':<24}{'tau':>6}{'tok/s':>7}{'speedup':>8}{'bound':>7}"
-             f"  {'draft/verify/prefill/other':<27}{'same (tie)':>10}  acceptance per position"]
+    lines = [f"{'dataset':<12}{'T':>4}  {'method':<24}{'tau':>6}{'expected':>18}{'tok/s':>7}{'speedup':>8}"
+             f"{'expected':>19}{'bound':>7}  {'draft/verify/prefill/other':<27}{'same (tie)':>10}  "
+             "acceptance per position"]
     for res in report["results"]:
         for name, m in res["methods"].items():
             per = " ".join(f"{a:.2f}" for a in m["acceptance_per_position"])
@@ -311,14 +330,27 @@ def format_table(report: dict) -> str:
             split = "/".join(f"{100 * m.get(k, 0.0) / total:.0f}" for k in
                              ("draft_time", "verify_time", "prefill_time", "overhead_time")) + " %"
             lines.append(f"{res['dataset']:<12}{res['temperature']:>4.1f}  {name:<24}{m['acceptance_length']:>6.2f}"
-                         f"{m['tokens_per_second']:>7.1f}{m['speedup']:>7.2f}x{bound:>7}  {split:<27}"
-                         f"{_same(m):>10}  {per}")
+                         f"{_expected(m, 'tau'):>18}{m['tokens_per_second']:>7.1f}{m['speedup']:>7.2f}x"
+                         f"{_expected(m, 'speedup', 'x'):>19}{bound:>7}  {split:<27}{_same(m):>10}  {per}")
     info = report["machine"]
     lines.append(f"target {_target_line(report)}; machine: {machine_line(info)}; "
                  f"max_new_tokens={report['max_new_tokens']}")
+    if report.get("expected_from"):
+        lines.append("expected: the conservative low end (point, interval over calibration prompts), from "
+                     + "; ".join(report["expected_from"]))
     lines.append("same: greedy first-turn outputs equal to plain decoding's; (tie): of the others, how many first "
                  "differ where the target's two candidate logits are within 2 ulp (a rounding tie in its dtype)")
     return "\n".join(lines)
+
+
+def _expected(m: dict, key: str, unit: str = "") -> str:
+    """'2.10 (2.4, 1.9-2.9)': the expectation's low end, its point and interval; '-' where none was made."""
+    e = (m.get("expected") or {}).get(key)
+    if not e:
+        return "-"
+    if e["low"] == e["high"]:
+        return f"{e['point']:.2f}{unit}"
+    return f"{e['low']:.2f}{unit} ({e['point']:.2f}, {e['low']:.2f}-{e['high']:.2f})"
 
 
 def _same(m: dict) -> str:
@@ -387,20 +419,27 @@ def write_report(report: dict, out: Path) -> dict[str, Path]:
 def markdown_table(report: dict, command: str | None = None) -> str:
     """The report as a Markdown table, with the machine and the command that produced it."""
     info = report["machine"]
-    rows = ["| dataset | T | method | acceptance length | tok/s | speedup | bound | same as plain (tie) |",
-            "|---|---|---|---|---|---|---|---|"]
+    # Expected columns only where the report has expectations (an older report's table stays as it was rendered).
+    has = any("expected" in m for res in report["results"] for m in res["methods"].values())
+    exp = (lambda m, key, unit="": f" {_expected(m, key, unit)} |") if has else (lambda m, key, unit="": "")  # noqa: E731
+    rows = ["| dataset | T | method | acceptance length |" + (" expected |" if has else "") + " tok/s | speedup |"
+            + (" expected |" if has else "") + " bound | same as plain (tie) |",
+            "|---|---|---|---|---|---|---|---|" + ("---|---|" if has else "")]
     for res in report["results"]:
         for name, m in res["methods"].items():
             bound = f"{m['speedup_bound']:.2f}x" if m.get("speedup_bound") else "-"
             rows.append(f"| {res['dataset']} ({res['prompts']} prompts) | {res['temperature']:g} | {name} | "
-                        f"{m['acceptance_length']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x | "
-                        f"{bound} | {_same(m)} |")
+                        f"{m['acceptance_length']:.2f} |{exp(m, 'tau')} {m['tokens_per_second']:.1f} | "
+                        f"{m['speedup']:.2f}x |{exp(m, 'speedup', 'x')} {bound} | {_same(m)} |")
     rows.append("")
     rows.append(f"Target {_target_line(report, '`')}, max {report['max_new_tokens']} new tokens; "
                 f"machine: {machine_line(info)}. Bound: tau x plain step time / (verify + draft time per round). "
                 f"Same as plain: greedy outputs identical to plain decoding's; (tie): of the others, those whose "
                 f"first difference is a rounding tie of the target's top two logits "
                 f"(within 2 ulp in {report.get('dtype', '?')}).")
+    if report.get("expected_from"):
+        rows.append("Expected: the conservative low end (point, interval over calibration prompts), from "
+                    + "; ".join(report["expected_from"]) + ".")
     if command:
         rows.append(f"Produced by `{command}`.")
     return "\n".join(rows)

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid-min-ngram", default=None, metavar="N[,N...]",
                    help="the hybrid grafts lookup only where an n-gram of at least N tokens recurs; one hybrid "
                         "per N given, and --shape auto's hybrid is measured at each N given too (N >= 1; default 1)")
+    p.add_argument("--no-expected", dest="expected", action="store_false",
+                   help="skip the expectation set beside every method (draftsmith engine: a calibration decode of "
+                        "the packaged calibration prompts, cached per drafter, and the verify curve)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (N >= 1)")
     p.add_argument("--turns", type=int, default=None, help="at most N turns per prompt (MT-bench has 2; N >= 1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at least 1 (default 128)")
@@ -312,11 +315,25 @@ def _bench(args, argv: list[str]) -> int:
                         for n in given_min_ngrams if n != look.min_ngram]
             chosen = [choice.shape.tree, choice.shape, *siblings]
         specs += [s for s in chosen if s not in specs]
+    expected = [(choice.acceptance, choice.cost)] if choice is not None and choice.acceptance is not None else []
+    if args.expected:
+        from draftsmith.stages.shapes import expectation_basis
+
+        for t in dict.fromkeys(temperatures):
+            if not any(abs(acc.temperature - t) < 1e-9 for acc, _ in expected):
+                expected.append(expectation_basis(target, drafter, args.drafter, specs, args.max_new_tokens, t))
     report = run_bench(target, drafter, [d for d in args.datasets.split(",") if d], specs, temperatures,
                        limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        prompt_lookup_ks=lookup_ks, progress=args.progress,
-                       train_conversations=args.train_conversations)
+                       train_conversations=args.train_conversations, expected=expected)
     report.update({"auto_shape": {**choice.to_dict(), "dtype": note}} if choice else {})
+    if expected and not blocks:
+        from draftsmith.stages.expectation import chain_expectation
+        from draftsmith.stages.shapes import calibration_tokens
+
+        greedy = next((acc for acc, _ in expected if acc.temperature == 0), None)
+        card = chain_expectation(greedy, max_new_tokens=calibration_tokens(args.max_new_tokens)) if greedy else None
+        report.update({"card_expectation": card} if card else {})  # what export's card can promise (the demo's)
     paths = write_report(report, args.out)
     if args.readme:
         update_readme(args.readme, report, "draftsmith " + shlex.join(argv), args.readme_section)

@@ -280,6 +280,10 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
     report, paths = bench_in_fresh_process(target_path, bench_dtype, run_dir / "best", p_bench, work / "bench",
                                            progress, conversations, device)
     times["bench"] = time.perf_counter() - t
+    if report.get("card_expectation"):  # the card promises what calibration expects, not training's simulation
+        from draftsmith.stages.export.card import set_expected
+
+        set_expected(export_dir, report["card_expectation"])
     t = time.perf_counter()
     llama = run_llamacpp_stage(target_path, run_dir / "best", p.bench_datasets, p_bench.bench_limit,
                                p_bench.bench_tokens, p.chain, work, torch.get_num_threads(), progress, llamacpp)

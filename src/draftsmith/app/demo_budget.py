@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from draftsmith.stages.calibration import CALIBRATION_LIMIT
 from draftsmith.stages.shapes import curve_ks
 from draftsmith.stages.verify_cost import VerifyCost
 
@@ -26,7 +27,7 @@ MIN_CONVERSATIONS, MIN_BENCH_PROMPTS, MIN_BENCH_TOKENS = 100, 4, 128
 #: trained yet; a better one only makes the bench shorter than estimated).
 TAU_GUESS = 1.3
 #: Prompt lookup lengths the demo's bench runs (bench_in_fresh_process), and its calibration prompts.
-LOOKUP_KS, CALIBRATION_PROMPTS = (3, 10), 4
+LOOKUP_KS, CALIBRATION_PROMPTS = (3, 10), CALIBRATION_LIMIT
 #: Bench measures its verify curve (``shapes.curve_ks``) with chain and tree masks, warm-up plus five reps each,
 #: in both dtypes where it chooses one (counted at this dtype's cost).
 CURVE_RUNS = 2 * 6 * 2

@@ -168,8 +168,19 @@ def _auto_said(auto: dict, drafted: dict[str, float]) -> str:
         return "--shape auto chose plain decoding" + (
             f": its best candidate, {top}, expected {candidates[top]:.2f}x" if top else "")
     measured = drafted.get(bench_row(auto["shape"]))
-    return (f"--shape auto expected {auto['shape']} at {auto['expected_speedup']:.2f}x"
+    return (f"--shape auto expected {auto['shape']} at {expected_text(auto)}"
             + (f", measured {measured:.2f}x" if measured is not None else ""))
+
+
+def expected_text(auto: dict) -> str:
+    """'1.52x (the low end of 1.52-2.10x over the calibration prompts; point 1.80x)', or '1.52x' where `--shape
+    auto` gave no interval (an older report)."""
+    speed = (auto.get("expected") or {}).get("speedup") or {}
+    head = f"{auto['expected_speedup']:.2f}x"
+    if not speed or speed.get("low") == speed.get("high"):
+        return head
+    return (f"{head} (the low end of {speed['low']:.2f}-{speed['high']:.2f}x over the calibration prompts; point "
+            f"{speed['point']:.2f}x)")
 
 
 def _lookup_decode(row: str) -> str:
@@ -179,7 +190,7 @@ def _lookup_decode(row: str) -> str:
 
 
 def _pays_line(v: dict, auto: dict, on: str) -> str:
-    expected = (f"--shape auto expected {v['expected_speedup']:.2f}x" if v["expected_speedup"] is not None
+    expected = (f"--shape auto expected {expected_text(auto)}" if v["expected_speedup"] is not None
                 else _auto_said(auto, v["measured"]))
     over = (f", {v['over_lookup']:.2f}x prompt lookup ({v['lookup']} {v['lookup_speedup']:.2f}x, no drafter)"
             if v["over_lookup"] else "")

@@ -347,9 +347,10 @@ def add_export_parsers(sub) -> None:
                    help="a bench.json / bench-llamacpp.json of this drafter: its acceptance goes into the model "
                         "card (repeatable)")
     p.add_argument("--calibrate-target", default=None, metavar="DIR",
-                   help="decode the drafter's held-out prompts (its training run's eval split) with this target in "
-                        "draftsmith, and put the measured acceptance by k into the model card (else the card gives "
-                        "training's simulated one, which reads above a real decode)")
+                   help="decode draftsmith's mixed calibration prompts (out of the training distribution, no "
+                        "evaluation set) with this target in draftsmith, and put the measured acceptance by k into "
+                        "the model card: the low end of its interval over prompts, with where it came from (else "
+                        "the card gives training's simulated one on its held-out split, which reads above a decode)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO",
                    help="then upload the folder (weights, README.md model card, drafter_card.json) to this hub "
                         "model repo with huggingface_hub (token from HF_TOKEN or its login)")
@@ -420,20 +421,19 @@ def _card_extra(args) -> dict:
 
 
 def _decoded_expectation(target_path: str, drafter_dir: str, k: int | None) -> dict:
-    """The card's expected acceptance measured by decoding the held-out prompts (calibration.decoded_expectation)."""
+    """The card's expected acceptance measured by decoding the calibration prompts (calibration.decoded_expectation)."""
     import torch
 
     from draftsmith.model.drafter import load_drafter
     from draftsmith.model.target import load_target
-    from draftsmith.stages.calibration import decoded_expectation
-    from draftsmith.stages.shapes import calibration_set
+    from draftsmith.stages.calibration import calibration_set, decoded_expectation
 
     if not Path(drafter_dir).is_dir():
         raise UsageError("--calibrate-target needs --drafter to be a draftsmith drafter directory")
     target = load_target(target_path, dtype=torch.float32)
     drafter = load_drafter(drafter_dir, target)
     if target.tokenizer is None:
-        raise UsageError(f"--calibrate-target {target_path}: no tokenizer to render the held-out prompts")
+        raise UsageError(f"--calibrate-target {target_path}: no tokenizer to render the calibration prompts")
     cal = calibration_set(drafter_dir, target.tokenizer)
     return decoded_expectation(target, drafter, cal, k=max(5, k or 3))
 

@@ -4,8 +4,10 @@ A shape pays ``tau(shape) * t_step / (t_verify(n) + t_draft(shape))``: tokens pe
 round, in units of a plain 1-token step. The verify curve ``t_verify(n)`` and the drafter step costs are
 measured in a few seconds (``verify_cost``) and cached here per machine and target; ``tau`` comes
 from the drafter's per-depth, per-rank acceptance, measured on a short calibration decode (cached per
-drafter). A hybrid (a tree with the prompt-lookup continuation grafted on) adds lookup's reach, measured on
-the same calibration text. When no shape's expected speedup exceeds 1, the answer is plain decoding.
+drafter) and replayed round by round on it (``expectation``, ``rounds``). A hybrid (a tree with the
+prompt-lookup continuation grafted on) adds lookup's reach, measured on the same calibration text. Shapes are
+weighed by the low end of their interval over calibration prompts; when none exceeds 1, the answer is plain
+decoding.
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ from draftsmith.stages.decode import (
     logits_to_probs,
     ngram_match,
 )
+from draftsmith.stages.expectation import (  # noqa: F401  (some re-exported: callers look in shapes)
+    Acceptance,
+    chain_expectation,
+    conservative_speedup,
+    expectation,
+    expected_speedup,
+    expected_tau,
+    expected_verify_time,
+    tree_of,
+    verified_tokens,
+)
+from draftsmith.stages.rounds import MISS, Trace
 from draftsmith.stages.verify_cost import DEFAULT_KS, Shape, VerifyCost, measure_verify_cost
 
 #: EAGLE-2 trees from narrow and shallow to EAGLE-2's own 6,10,60.
@@ -61,143 +75,6 @@ CALIBRATION_PROMPTS = (
 )
 
 
-@dataclass(frozen=True)
-class Acceptance:
-    """``ranks[d][j]``: how often the target's token at depth d+1 is the drafter's (j+1)-th choice there,
-    given that depths 1..d were accepted. A chain uses rank 0 only; a tree uses top_k ranks per depth.
-    Depths and ranks not measured count as never accepted.
-
-    ``lookup[d]``: how often prompt lookup's proposal there matches the target's next d+1 tokens (0 where it
-    proposes nothing); ``lookup_rate``: how often it proposes anything. Empty: lookup never helps. Both are
-    for lookup from any recurring token; ``lookup_by_min[m]`` holds the same pair for lookup that needs an
-    n-gram of at least m tokens to recur.
-
-    At temperature > 0 the target's tokens are sampled, and a one-hot candidate (a tree's child, a lookup
-    token) is accepted exactly when the target's sample equals it, so ``ranks`` and ``lookup`` keep their
-    meaning. A chain samples its drafts from the drafter and accepts with min(1, p/q): ``chain[d]`` is that
-    rate, the mean of sum_x min(p(x), q(x)) (empty: greedy, where a chain accepts rank 0).
-    """
-
-    ranks: tuple[tuple[float, ...], ...]
-    source: str = "given"
-    lookup: tuple[float, ...] = ()
-    lookup_rate: float = 0.0
-    lookup_by_min: dict[int, tuple[tuple[float, ...], float]] = field(default_factory=dict)
-    chain: tuple[float, ...] = ()
-    temperature: float = 0.0
-
-    def rank(self, depth: int, j: int) -> float:
-        if depth >= len(self.ranks) or j >= len(self.ranks[depth]):
-            return 0.0
-        return self.ranks[depth][j]
-
-    def lookup_stats(self, min_ngram: int = 1) -> tuple[tuple[float, ...], float]:
-        """(reach per depth, proposal rate) of lookup from n-grams of >= min_ngram tokens; ((), 0) unmeasured."""
-        if min_ngram == 1:
-            return self.lookup, self.lookup_rate
-        return self.lookup_by_min.get(min_ngram, ((), 0.0))
-
-    @classmethod
-    def from_chain(cls, acc: Sequence[float], source: str = "given") -> Acceptance:
-        """Top-1 conditional acceptance per position (as training's eval.json records it)."""
-        return cls(tuple((float(a),) for a in acc), source)
-
-    def chain_rate(self, depth: int) -> float:
-        """How often a chain's draft at depth+1 is accepted, given the earlier ones were."""
-        if not self.chain:
-            return self.rank(depth, 0)
-        return self.chain[depth] if depth < len(self.chain) else 0.0
-
-    def to_dict(self) -> dict:
-        return {"ranks": [list(r) for r in self.ranks], "source": self.source, "lookup": list(self.lookup),
-                "lookup_rate": self.lookup_rate,
-                "lookup_by_min": {str(m): [list(r), rate] for m, (r, rate) in self.lookup_by_min.items()},
-                "chain": list(self.chain), "temperature": self.temperature}
-
-    @classmethod
-    def from_dict(cls, d: dict, note: str = "") -> Acceptance:
-        by_min = {int(m): (tuple(r), float(rate)) for m, (r, rate) in d.get("lookup_by_min", {}).items()}
-        return cls(tuple(tuple(r) for r in d["ranks"]), d["source"] + note, tuple(d.get("lookup", ())),
-                   float(d.get("lookup_rate", 0.0)), by_min, tuple(d.get("chain", ())),
-                   float(d.get("temperature", 0.0)))
-
-
-def tree_nodes(acc: Acceptance, shape: TreeSpec) -> list[tuple[float, int]]:
-    """EAGLE-2's selection replayed on expected values: (value, depth) of the kept nodes, where a node's value is
-    its probability of lying on the target's path.
-
-    Node value = product of its ranks' acceptance along its path (what the drafter's cumulative score estimates).
-    Each level expands the top_k best nodes of the previous level by top_k children; the total_tokens - 1 best
-    nodes overall are kept, as in ``SpeculativeDecoder._draft_tree``. At most one child per node is accepted
-    (at temperature > 0 too: one-hot candidates are tried in turn), so the expected number of accepted tokens is
-    the sum of the kept nodes' values.
-    """
-    k = shape.top_k
-    level = [acc.rank(0, j) for j in range(k)]
-    nodes = [(v, 1) for v in level]
-    for d in range(1, shape.depth):
-        frontier = sorted(level, reverse=True)[:k]
-        level = [v * acc.rank(d, j) for v in frontier for j in range(k)]
-        nodes += [(v, d + 1) for v in level]
-    return sorted(nodes, key=lambda n: n[0], reverse=True)[: shape.total_tokens - 1]
-
-
-def hybrid_tau(acc: Acceptance, shape: HybridSpec) -> float:
-    """1 + sum_d P(the tree or the lookup reaches depth d), the two taken as independent.
-
-    At temperature 0 the tree reaches depth d with the summed value of its kept nodes there, and lookup with
-    lookup's reach there (for its n-gram sizes); a round keeps whichever path the target accepts further.
-    """
-    tree = [0.0] * max(shape.tree.depth, shape.lookup.k)
-    for v, d in tree_nodes(acc, shape.tree):
-        tree[d - 1] += v
-    reach = acc.lookup_stats(shape.lookup.min_ngram)[0]
-    look = [reach[d] if d < min(shape.lookup.k, len(reach)) else 0.0 for d in range(len(tree))]
-    return 1.0 + sum(1.0 - (1.0 - min(t, 1.0)) * (1.0 - x) for t, x in zip(tree, look, strict=True))
-
-
-def expected_tau(acc: Acceptance, shape: Shape | None) -> float:
-    """Expected tokens per verify pass (accepted + the bonus): 1 + sum_k prod_{i<=k} a_i for a chain."""
-    if shape is None:
-        return 1.0
-    if isinstance(shape, ChainSpec | BlockSpec):  # a block is verified as a chain
-        tau, run = 1.0, 1.0
-        for d in range(shape.k):
-            run *= acc.chain_rate(d)
-            tau += run
-        return tau
-    if isinstance(shape, HybridSpec):
-        return hybrid_tau(acc, shape)
-    return 1.0 + sum(v for v, _ in tree_nodes(acc, shape))
-
-
-def verified_tokens(shape: Shape) -> int:
-    """Tokens in the largest verify pass (root incl.); a hybrid's lookup branch may share nodes with the tree."""
-    if isinstance(shape, ChainSpec | BlockSpec):
-        return shape.k + 1
-    if isinstance(shape, HybridSpec):
-        return shape.tree.total_tokens + shape.lookup.k
-    return shape.total_tokens
-
-
-def expected_verify_time(cost: VerifyCost, shape: Shape, acc: Acceptance) -> float:
-    """Seconds of the verify pass; a hybrid carries its lookup branch only in rounds where lookup proposes."""
-    if isinstance(shape, HybridSpec):
-        reach, rate = acc.lookup_stats(shape.lookup.min_ngram)
-        rate = rate if reach else 0.0
-        return (rate * cost.t_verify(verified_tokens(shape), True)
-                + (1 - rate) * cost.t_verify(verified_tokens(shape.tree), True))
-    return cost.t_verify(verified_tokens(shape), isinstance(shape, TreeSpec))
-
-
-def expected_speedup(acceptance: Acceptance, shape: Shape | None, cost: VerifyCost) -> float:
-    """tau(shape) * t_step / (t_verify(shape) + t_draft(shape)); plain decoding (None) is 1 by definition."""
-    if shape is None:
-        return 1.0
-    per_round = expected_verify_time(cost, shape, acceptance) + cost.t_draft(shape)
-    return expected_tau(acceptance, shape) * cost.t_step / per_round if per_round > 0 else 0.0
-
-
 def shape_name(shape: Shape | None) -> str:
     if shape is None:
         return "plain"
@@ -209,11 +86,6 @@ def shape_name(shape: Shape | None) -> str:
         tree = shape_name(shape.tree).removeprefix("tree ")
         return f"hybrid {tree}+lookup {shape.lookup.k}{shape.lookup.ngram_label}"
     return f"tree {shape.depth},{shape.top_k},{shape.total_tokens}"
-
-
-def tree_of(shape: Shape | None) -> TreeSpec | None:
-    """The draft tree a shape verifies (a hybrid's own tree), or None for a chain or plain decoding."""
-    return shape.tree if isinstance(shape, HybridSpec) else shape if isinstance(shape, TreeSpec) else None
 
 
 def draft_depth(shape: Shape) -> int:
@@ -233,32 +105,45 @@ def block_candidates(drafter) -> list[BlockSpec]:
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen shape (None: plain decoding), its expected speedup, and a one-line reason; ``cost``: the verify
-    curve it was weighed on, kept so a report can say why (what a wide pass costs here) and not only what."""
+    """The chosen shape (None: plain decoding), its expected speedup (the conservative end of its interval: see
+    ``conservative_speedup``), and a one-line reason; ``cost``: the verify curve it was weighed on, kept so a report
+    can say why (what a wide pass costs here) and not only what; ``acceptance``: what it was weighed with (a bench
+    puts its expectation beside every method it measures)."""
 
     shape: Shape | None
     speedup: float
     reason: str
-    table: dict[str, float] = field(default_factory=dict)  # every candidate's expected speedup
+    table: dict[str, float] = field(default_factory=dict)  # every candidate's expected (conservative) speedup
     cost: VerifyCost | None = None
+    acceptance: Acceptance | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:
-        return {"shape": shape_name(self.shape), "expected_speedup": self.speedup, "reason": self.reason,
-                "candidates": self.table, **({"verify_cost": self.cost.to_dict()} if self.cost else {})}
+        out = {"shape": shape_name(self.shape), "expected_speedup": self.speedup, "reason": self.reason,
+               "candidates": self.table, **({"verify_cost": self.cost.to_dict()} if self.cost else {})}
+        if self.acceptance is not None:
+            exp = expectation(self.acceptance, self.shape, self.cost)
+            out["expected"] = exp.to_dict()
+            out["calibration"] = self.acceptance.source
+        return out
 
 
 def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[Shape] = DEFAULT_CANDIDATES,
                  max_top_k: int | None = None) -> Choice:
-    """The argmax of ``expected_speedup`` over the candidates, or plain decoding when none exceeds 1."""
+    """The argmax of the conservative expected speedup over the candidates, or plain decoding when none exceeds 1.
+
+    With calibration traces a shape is weighed by the lower end of its interval over prompts
+    (``conservative_speedup``); without, by the formulas' point estimate.
+    """
     usable = [s for s in candidates if (max_top_k is None or tree_of(s) is None or tree_of(s).top_k <= max_top_k)
               and (not isinstance(s, HybridSpec) or acceptance.lookup_stats(s.lookup.min_ngram)[0])]
     # (no lookup measured: a hybrid would be its tree)
-    table = {shape_name(s): expected_speedup(acceptance, s, cost) for s in usable}
+    table = {shape_name(s): conservative_speedup(acceptance, s, cost) for s in usable}
     best = max(usable, key=lambda s: table[shape_name(s)], default=None)
     if best is None or table[shape_name(best)] <= 1.0:
         top = f"; best was {shape_name(best)} at {table[shape_name(best)]:.2f}x" if best is not None else ""
-        return Choice(None, 1.0, f"no shape pays on this machine{top}", table, cost)
-    tau = expected_tau(acceptance, best)
+        return Choice(None, 1.0, f"no shape pays on this machine{top}", table, cost, acceptance)
+    exp = expectation(acceptance, best, cost)
+    tau = exp.tau.low
     v = expected_verify_time(cost, best, acceptance) / cost.t_step
     dr = cost.t_draft(best) / cost.t_step
     others = []
@@ -268,9 +153,13 @@ def choose_shape(acceptance: Acceptance, cost: VerifyCost, candidates: Sequence[
             r = max(rivals, key=lambda s: table[shape_name(s)])
             others.append(f"{shape_name(r)} {table[shape_name(r)]:.2f}x")
     at = f" at T={acceptance.temperature:g}" if acceptance.temperature > 0 else ""
-    reason = (f"expected {table[shape_name(best)]:.2f}x{at}: tau {tau:.2f} at verify {v:.2f}x + draft {dr:.2f}x "
-              f"a step; {', '.join([*others, 'plain 1.00x'])}")
-    return Choice(best, table[shape_name(best)], reason, table, cost)
+    spread = ""
+    if acceptance.traces and exp.speedup is not None:
+        spread = (f" (the low end of {exp.speedup.label()}x, {exp.speedup.level:.0%} over "
+                  f"{len(acceptance.traces)} prompts; point {exp.speedup.point:.2f}x)")
+    reason = (f"expected {table[shape_name(best)]:.2f}x{at}{spread}: tau {tau:.2f} at verify {v:.2f}x + draft "
+              f"{dr:.2f}x a step; {', '.join([*others, 'plain 1.00x'])}")
+    return Choice(best, table[shape_name(best)], reason, table, cost, acceptance)
 
 
 def describe(choice: Choice, dtype_note: str = "") -> str:
@@ -312,12 +201,16 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
     chain = torch.zeros(depth)  # sampled chains: summed min(p, q) mass
     counts = torch.zeros(depth)
     lookup = LookupReach()
+    traces = []
     for prompt in prompts:
         gen = decoder.generate(list(prompt), max_new_tokens, sampling, eos_token_ids=stops,
                                generator=generator).token_ids
-        lookup.add(list(prompt), gen)
+        looked = lookup.add(list(prompt), gen)
         seq = torch.tensor([list(prompt) + gen], device=target.device)
         n, start = seq.shape[1], len(prompt) + 1  # predicted tokens: the target's, after its first
+        starts = max(0, len(gen) - 1)  # round starts: the context ends with answer token c, c + 1 is drafted
+        ranks = [[MISS] * depth for _ in range(starts)]
+        rates = [[0.0] * depth for _ in range(starts)] if not sampling.greedy else []
         out = target(seq)
         batch = TTTBatch(seq, torch.ones_like(seq, dtype=torch.bool), torch.cat(out.aux_hidden_states, -1),
                          out.hidden_state, torch.tensor([n], device=seq.device))
@@ -334,17 +227,28 @@ def calibrate_acceptance(target: Target, drafter, prompts: Sequence[Sequence[int
             match = best == seq[0, cols + 2 + d][:, None]
             hits[d] += match.float().sum(0).cpu()
             counts[d] += cols.numel()
+            # Column t drafts the round whose context ends at t + 1, i.e. answer token c = t + 1 - len(prompt).
+            round_of = [t + 1 - len(prompt) for t in cols.tolist()]
+            for c, r in zip(round_of, torch.where(match.any(-1), match.float().argmax(-1), MISS).tolist(),
+                            strict=True):
+                if 0 <= c < starts:
+                    ranks[c][d] = int(r)
             if not sampling.greedy:  # token t+2+d is drawn from the target's logits at t+1+d
                 p = logits_to_probs(out.logits[0, cols + 1 + d], sampling)[:, draft_ids]
                 q = logits_to_probs(logits, sampling)
-                chain[d] += torch.minimum(p, q).sum().cpu()
+                both = torch.minimum(p, q).sum(-1)
+                chain[d] += both.sum().cpu()
+                for c, r in zip(round_of, both.tolist(), strict=True):
+                    if 0 <= c < starts:
+                        rates[c][d] = float(r)
+        traces.append(Trace(tuple(tuple(r) for r in ranks), looked, tuple(tuple(r) for r in rates)))
     # Rates conditional on the previous depths accepted: teacher forcing feeds the target's tokens.
     ranks = tuple(tuple((hits[d] / counts[d]).tolist()) if counts[d] else () for d in range(depth))
     rates = () if sampling.greedy else tuple(float(chain[d] / counts[d]) if counts[d] else 0.0 for d in range(depth))
     by_min = {m: lookup.result(m) for m in HYBRID_MIN_NGRAMS if m > 1}
     at = f" at T={temperature:g}" if temperature > 0 else ""
     return Acceptance(ranks, f"calibration on {len(prompts)} prompts{at}", *lookup.result(), by_min, rates,
-                      temperature)
+                      temperature, tuple(traces))
 
 
 @torch.no_grad()
@@ -368,13 +272,16 @@ def calibrate_block_acceptance(target: Target, drafter, prompts: Sequence[Sequen
     k = drafter.config.num_drafts
     hits, counts, mass, valid = torch.zeros(k), torch.zeros(k), torch.zeros(k), torch.zeros(k)
     lookup = LookupReach()
+    traces = []
     for prompt in prompts:
         gen = decoder.generate(list(prompt), max_new_tokens, sampling, eos_token_ids=stops,
                                generator=generator).token_ids
-        lookup.add(list(prompt), gen)
+        looked = lookup.add(list(prompt), gen)
         seq = torch.tensor([list(prompt) + gen], device=target.device)
         out = target(seq)
         starts = torch.arange(len(prompt), seq.shape[1] - 1, device=seq.device)  # anchors: the generated tokens
+        ranks: list[tuple[int, ...]] = []  # anchor c (answer token c): rank 0 at each slot its draft matched
+        slot_rates: list[tuple[float, ...]] = []
         for chunk in starts.split(anchors_per_pass):
             res = drafter.forward_train(out.aux_hidden_states, seq, chunk[None])
             pos, ok = res.positions[0], res.positions[0] >= 0  # [A, k]
@@ -386,13 +293,17 @@ def calibrate_block_acceptance(target: Target, drafter, prompts: Sequence[Sequen
             if not sampling.greedy:  # the token at p is drawn from the target's logits at p - 1
                 p = logits_to_probs(out.logits[0, (pos - 1).clamp(min=0)], sampling)[..., draft_ids]
                 q = logits_to_probs(res.logits[0], sampling)
-                mass += (torch.minimum(p, q).sum(-1) * ok).sum(0).cpu()
+                both = torch.minimum(p, q).sum(-1) * ok
+                mass += both.sum(0).cpu()
+                slot_rates += [tuple(r) for r in both.tolist()]
+            ranks += [tuple(0 if m else MISS for m in row) for row in match.tolist()]
+        traces.append(Trace(tuple(ranks), looked, tuple(slot_rates)))
     rates = tuple(float(hits[d] / counts[d]) if counts[d] else 0.0 for d in range(k))
     chain = () if sampling.greedy else tuple(float(mass[d] / valid[d]) if valid[d] else 0.0 for d in range(k))
     by_min = {m: lookup.result(m) for m in HYBRID_MIN_NGRAMS if m > 1}
     at = f" at T={temperature:g}" if temperature > 0 else ""
     return Acceptance(tuple((r,) for r in rates), f"block calibration on {len(prompts)} prompts{at}",
-                      *lookup.result(), by_min, chain, temperature)
+                      *lookup.result(), by_min, chain, temperature, tuple(traces))
 
 
 @dataclass
@@ -411,17 +322,24 @@ class LookupReach:
         self.proposed = [0] * (self.spec.max_ngram + 1)
         self.reach = [[0] * self.depth for _ in self.proposed]
 
-    def add(self, prompt: list[int], gen: list[int]) -> None:
-        """A round starts after each emitted token but the last: the context ends with it, the rest is ahead."""
+    def add(self, prompt: list[int], gen: list[int]) -> dict[int, tuple[int, ...]]:
+        """A round starts after each emitted token but the last: the context ends with it, the rest is ahead.
+        Returns, for each n-gram floor of ``HYBRID_MIN_NGRAMS``, lookup's right tokens at each round start
+        (MISS where it proposes nothing): a ``rounds.Trace``'s ``lookup``."""
         seq = prompt + gen
+        right: list[tuple[int, int]] = []  # (n-gram matched, 0 when nothing is proposed; right tokens)
         for t in range(len(prompt), len(seq) - 1):
             n, proposal = ngram_match(seq[: t + 1], self.spec)
             self.positions += 1
             self.proposed[n] += bool(proposal)
+            good = 0
             for d, tok in enumerate(proposal):
                 if t + 1 + d >= len(seq) or seq[t + 1 + d] != tok:
                     break
                 self.reach[n][d] += 1
+                good += 1
+            right.append((n if proposal else 0, good))
+        return {m: tuple(good if n >= m else MISS for n, good in right) for m in HYBRID_MIN_NGRAMS}
 
     def result(self, min_ngram: int = 1) -> tuple[tuple[float, ...], float]:
         """(P(lookup's first d+1 tokens are right) for each d, P(it proposes anything)), for lookup that needs
@@ -431,18 +349,6 @@ class LookupReach:
         ns = range(min_ngram, len(self.proposed))
         return (tuple(sum(self.reach[n][d] for n in ns) / self.positions for d in range(self.depth)),
                 sum(self.proposed[n] for n in ns) / self.positions)
-
-
-def calibration_set(drafter_dir: str | Path | None, tokenizer):
-    """The drafter's training run's held-out prompts where the run can be found beside it, else the hand-written
-    ones (not known held out: a drafter from elsewhere may have seen anything). A ``CalibrationSet``."""
-    from draftsmith.stages.calibration import CalibrationSet, heldout_calibration
-
-    held = heldout_calibration(drafter_dir, tokenizer)
-    if held is not None:
-        return held
-    return CalibrationSet(calibration_prompts(tokenizer), f"{len(CALIBRATION_PROMPTS)} hand-written prompts (no "
-                          "training run beside the drafter: its held-out split is unknown)", False)
 
 
 def acceptance_from_eval(drafter_dir: str | Path) -> Acceptance | None:
@@ -488,7 +394,7 @@ def cached_acceptance(target: Target, drafter, drafter_dir: str | Path | None, p
     key = {"target": target.fingerprint(), "dtype": str(target.dtype).removeprefix("torch."), "drafter": weights,
            "prompts": hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()[:16],
            "calibrate": dict(sorted(calibrate.items())), "lookup_depth": LOOKUP_DEPTH,
-           "lookup_min_ngrams": list(HYBRID_MIN_NGRAMS)}
+           "lookup_min_ngrams": list(HYBRID_MIN_NGRAMS), "traces": 1}
     hit = None if refresh or weights is None else cache_get("acceptance", key)
     if hit is not None:
         return Acceptance.from_dict(hit, ", cached"), True
@@ -512,8 +418,8 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
                ) -> tuple[Choice, VerifyCost, Acceptance]:
     """Measure (or read) the cost curve and acceptance, then choose. Calibration falls back to eval.json.
 
-    Calibration prompts: the drafter's training run's held-out split where the run can be found beside it
-    (``stages.calibration``), else the hand-written ``CALIBRATION_PROMPTS``; ``prompts`` overrides both.
+    Calibration prompts: draftsmith's mixed calibration set, out of the training distribution and no evaluation
+    set (``stages.calibration``); ``prompts`` overrides it.
 
     ``acceptance``: already known (the same drafter calibrated in another dtype): only the curve is measured.
     A block drafter weighs its block lengths (``block_candidates``) instead of the EAGLE-3 shapes.
@@ -528,16 +434,34 @@ def auto_shape(target: Target, drafter, drafter_dir: str | Path | None = None,
     cost, _ = cached_verify_cost(target, drafter, reps=reps, ks=tuple(ks), draft_widths=tuple(widths))
     acc, where = acceptance, ""
     if acc is None and prompts is None and target.tokenizer is not None:
-        cal = calibration_set(drafter_dir, target.tokenizer)  # the run's held-out split where it can be found
-        prompts, where = cal.prompts, f" ({cal.source})"
+        from draftsmith.stages.calibration import calibration_set
+
+        cal = calibration_set(drafter_dir, target.tokenizer)  # the mixed set, out of the training distribution
+        prompts, where, provenance = cal.prompts, f" ({cal.source})", cal.provenance()
+    else:
+        provenance = {"set": "given prompts", "count": len(prompts or ())}
     if acc is None and prompts:
         acc, _ = cached_acceptance(target, drafter, drafter_dir, prompts, depth=max_depth, top_k=max_k,
                                    **(calibrate or {}))
-        acc = dataclasses.replace(acc, source=acc.source + where)
+        acc = dataclasses.replace(acc, source=acc.source + where, prompts=provenance)
     if (acc is None or not any(acc.ranks)) and drafter_dir is not None:
         acc = acceptance_from_eval(drafter_dir)
     acc = acc or Acceptance((), "none")
     return choose_shape(acc, cost, candidates, max_top_k=drafter.config.draft_vocab_size), cost, acc
+
+
+def expectation_basis(target: Target, drafter, drafter_dir: str | Path | None, extra: Sequence = (),
+                      max_new_tokens: int | None = None, temperature: float = 0.0) -> tuple[Acceptance, VerifyCost]:
+    """The calibrated acceptance and the verify curve ``--shape auto`` weighs shapes with (both cached), wide
+    enough for ``extra`` shapes too: what a bench sets beside every method it measures."""
+    candidates = list(block_candidates(drafter) if drafts_blocks(drafter) else DEFAULT_CANDIDATES)
+    top = drafter.config.draft_vocab_size  # a wider tree is refused by the decoder: not weighed here either
+    candidates += [s for s in extra if isinstance(s, ChainSpec | TreeSpec | HybridSpec | BlockSpec)
+                   and s not in candidates and (tree_of(s) is None or tree_of(s).top_k <= top)]
+    calibrate = {"max_new_tokens": calibration_tokens(max_new_tokens),
+                 **({"temperature": float(temperature)} if temperature > 0 else {})}
+    _, cost, acc = auto_shape(target, drafter, drafter_dir, candidates=candidates, calibrate=calibrate)
+    return acc, cost
 
 
 def calibration_tokens(max_new_tokens: int | None) -> int:

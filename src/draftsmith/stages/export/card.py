@@ -70,9 +70,14 @@ def expected_acceptance(drafter_dir: str | Path | None) -> dict | None:
         acc = [float(a) for a in ev["acc"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    run = run_of(drafter_dir)
+    data = training_facts(drafter_dir)["data"] if run is not None else None
     return {"source": "held-out split at training (eval.json: samples chosen by a hash of their id, never "
                       "trained on; teacher-forced chain, greedy)",
             "held_out": True, "step": ev.get("step"), "tokens": ev.get("tokens"),
+            "prompts": {"set": f"held-out split of {data}" if data else "held-out split of the training data",
+                        "count": ev.get("samples"), "in_distribution": True},
+            "k": len(acc), "temperature": 0.0,
             "per_position": [round(a, 4) for a in acc], "by_k": expected_by_k(acc)}
 
 
@@ -331,9 +336,16 @@ def _card_parts(facts: dict) -> tuple[str, str]:
         where = (f"step {exp.get('step')}, {exp.get('tokens')} tokens" if "step" in exp
                  else f"{exp.get('passes')} verify passes")
         lines += [f"Acceptance length (accepted drafts + 1 per verify pass) of a greedy chain of k drafts, from the "
-                  f"{exp['source']}; {where}.", "",
-                  "| k | " + " | ".join(exp["by_k"]) + " |", "|---|" + "---|" * len(exp["by_k"]),
+                  f"{exp['source']}; {where}.", ""]
+        if provenance_line(exp):
+            lines += [provenance_line(exp), ""]
+        lines += ["| k | " + " | ".join(exp["by_k"]) + " |", "|---|" + "---|" * len(exp["by_k"]),
                   "| acceptance length | " + " | ".join(f"{v:.2f}" for v in exp["by_k"].values()) + " |"]
+        if exp.get("by_k_interval"):
+            lines += ["| point estimate | " + " | ".join(f"{exp['by_k_point'][k]:.2f}" for k in exp["by_k"]) + " |",
+                      f"| {exp.get('interval_level', 0.9):.0%} interval over prompts | "
+                      + " | ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in (exp["by_k_interval"][k] for k in exp["by_k"]))
+                      + " |"]
         if exp.get("per_position") and "block_size" in facts:  # a block drafter: the rate at each draft slot
             pos = exp["per_position"][: len(exp["by_k"])]
             lines.append("| accepted at this position (given the earlier ones) | "
@@ -383,6 +395,23 @@ def _card_parts(facts: dict) -> tuple[str, str]:
     lines += [f"- {name} {ver} (checked)" for name, ver in v["engines"].items()]
     lines += ["", f"Machine-readable: `{CARD_JSON}`.", ""]
     return front, "\n".join(lines)
+
+
+def provenance_line(exp: dict) -> str | None:
+    """Where the expected acceptance came from, in one sentence: which prompts, how many, at what k and temperature
+    (None for a card written before it was recorded)."""
+    src = exp.get("prompts")
+    if not isinstance(src, dict):
+        return None
+    count = f"{src['count']} prompts" if src.get("count") is not None else "prompts"
+    kind = (" (the training distribution: expect less on users' prompts)" if src.get("in_distribution")
+            else " (out of the training distribution, no evaluation set)")
+    length = f", {exp['max_new_tokens']} new tokens each" if exp.get("max_new_tokens") else ""
+    low = (f"; the first row is the low end of the {exp.get('interval_level', 0.9):.0%} interval over prompts, "
+           "what `draftsmith check` holds engines to" if exp.get("by_k_interval") else "")
+    return (f"Calibrated on {count} of {src.get('set') or 'an unnamed set'}{kind}, a greedy chain of up to "
+            f"k={exp.get('k', len(exp.get('by_k', {})))} drafts at temperature {exp.get('temperature', 0.0):g}"
+            f"{length}{low}.")
 
 
 def updated_readme(existing: str | None, old_facts: dict | None, facts: dict) -> str | None:
@@ -461,6 +490,25 @@ def _with_check(facts: dict, check: dict) -> dict:
     facts["checks"] = [c for c in facts.get("checks") or []
                        if (c.get("engine"), c.get("k")) != (check["engine"], check["k"])] + [check]
     return facts
+
+
+def set_expected(path: str | Path, expected: dict) -> Path:
+    """Put a calibrated expectation (``calibration.decoded_expectation``'s shape) into an exported drafter's card,
+    keeping what it replaces as ``simulated_acceptance`` where that was training's; README.md's card part is
+    rewritten as export and ``record_check`` rewrite it (a README.md of the user's is kept). Returns the JSON's path."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    facts, old = read_card(folder), read_card(folder)
+    if facts is None:
+        raise ValueError(f"{folder}: no drafter_card.json to put the expectation into (export it with draftsmith)")
+    if facts.get("simulated_acceptance") is None and "step" in (facts.get("expected_acceptance") or {}):
+        facts["simulated_acceptance"] = facts["expected_acceptance"]
+    facts["expected_acceptance"] = expected
+    text = updated_readme(_read_text(folder / CARD_FILE), old, facts)
+    atomic_write(folder / CARD_JSON, (json.dumps(facts, indent=2) + "\n").encode())
+    if text is not None:
+        atomic_write(folder / CARD_FILE, text.encode())
+    return folder / CARD_JSON
 
 
 def read_card(path: str | Path, *, strict: bool = False) -> dict | None:

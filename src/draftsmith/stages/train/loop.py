@@ -141,7 +141,7 @@ def evaluate(drafter: Eagle3Drafter, source, indices: list[int], cfg: TrainConfi
         total = TTTStats(float(t[0]), t[1:1 + n].tolist(), t[1 + n:].tolist())
     acc = total.acc
     return {"loss": total.loss / max(1, len(indices)), "acc": acc, "simulated_tau": simulated_acceptance_length(acc),
-            "tokens": int(total.total[0])}
+            "tokens": int(total.total[0]), "samples": len(indices)}
 
 
 @dataclass
