@@ -26,6 +26,12 @@ from draftsmith.stages.decode import (
 )
 from draftsmith.testing.models import HYBRID_ARCHITECTURES, build_tiny_model, save_tiny_target
 
+# Older transformers releases (the oldest supported, 5.17) have no recurrent cache that keeps a state per token:
+# there decoding such a target is refused in one line (test_target.py), and everything here is skipped.
+pytestmark = pytest.mark.skipif(target_cache._linear_layer_class() is None,
+                                reason="transformers without per-token recurrent caches")
+
+
 #: Gated delta-net + MoE, short convolutions, Mamba-2 (+ shared MLP), Mamba-2 with MLP-only blocks.
 RECURRENT_ARCHS = ["qwen3_next", "lfm2", "granitemoehybrid", "nemotron_h"]
 NEW_TOKENS = 10
@@ -310,3 +316,4 @@ def test_tiny_demo_pipeline_on_a_recurrent_target(tmp_path):
     for name, m in methods.items():
         if name != "plain":
             assert m["identical_to_plain"] == f"{limit}/{limit}", name
+

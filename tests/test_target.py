@@ -220,3 +220,22 @@ def test_tree_pass_over_a_cache_matches_hf_sdpa(arch, monkeypatch):
         ref = hf(torch.cat([prompt, torch.tensor([path])], 1)).logits[0, -1]
         # HF's eager softmax runs in float32 even for fp64 models: a relative bound, as in the cache test above.
         torch.testing.assert_close(fast_logits[0, node], ref, atol=1e-6, rtol=1e-5, msg=f"{arch} node {node}")
+
+
+def test_recurrent_targets_decode_or_are_refused_in_one_line():
+    """Where transformers keeps recurrent states per token, a hybrid target decodes (test_recurrent_decode.py);
+    on older releases (5.17) speculative decoding is refused in one line that names the release to install."""
+    import transformers
+
+    from draftsmith.model import target_cache
+    from draftsmith.stages.decode import NgramSpec, SpeculativeDecoder
+
+    target = Target(build_tiny_model("lfm2", num_hidden_layers=4))
+    assert target.is_recurrent and target.recurrent_layers == (0, 1, 2)
+    decoder = SpeculativeDecoder(target, None, NgramSpec(3))
+    if target_cache._linear_layer_class() is not None:
+        assert decoder.generate([5, 6, 7], 4).token_ids == SpeculativeDecoder(target).generate([5, 6, 7], 4).token_ids
+        return
+    with pytest.raises(target_cache.RecurrentTargetError, match=f"transformers {transformers.__version__}") as e:
+        decoder.generate([5, 6, 7], 4)
+    assert "\n" not in str(e.value) and target_cache.MIN_TRANSFORMERS_FOR_RECURRENT in str(e.value)

@@ -216,8 +216,8 @@ class Target:
 
                     raise RecurrentTargetError(
                         f"{type(model).__name__} keeps a recurrent state in layers {list(self.recurrent_layers)}, and "
-                        f"transformers {transformers.__version__} has no per-layer recurrent cache to roll back: "
-                        f"install transformers>={MIN_TRANSFORMERS_FOR_RECURRENT} to decode it")
+                        f"transformers {transformers.__version__} cannot keep it per token to roll back rejected "
+                        f"drafts: install transformers>={MIN_TRANSFORMERS_FOR_RECURRENT} to decode it with draftsmith")
                 self._stepper = BlockStepper(find_recurrent_mixers(self.layers, self.recurrent_layers))
             except RecurrentTargetError as e:
                 self._stepping_error = str(e)

@@ -21,7 +21,7 @@ from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
 
-#: The first transformers release whose caches keep recurrent states per layer (``LinearAttentionLayer``).
+#: A transformers release whose recurrent caches keep a state per token (checked: 5.25 has them, 5.17 does not).
 MIN_TRANSFORMERS_FOR_RECURRENT = "5.25"
 
 
@@ -30,10 +30,14 @@ class RecurrentTargetError(DraftsmithError, ValueError):
 
 
 def _linear_layer_class():
-    """transformers' base class of recurrent cache layers, or None on releases without one."""
+    """transformers' base class of recurrent cache layers, or None on releases whose recurrent caches cannot keep a
+    state per token (5.17 has the class without it)."""
     try:
         from transformers.cache_utils import LinearAttentionCacheLayerMixin
     except ImportError:
+        return None
+    record = getattr(LinearAttentionCacheLayerMixin, "activate_past_recording", None)
+    if record is None or "recurrent_states_to_keep" not in inspect.signature(record).parameters:
         return None
     return LinearAttentionCacheLayerMixin
 
