@@ -106,3 +106,44 @@ def test_check_passes_the_pair_with_output_equal_to_plain(world):
     assert d["equality"]["identical"] == d["equality"]["compared"] == len(world["prompts"]), d
     assert d["verdict"] == "pass" and d["exit_code"] == 0, d
     assert abs(d["served_tau"] - d["draftsmith_tau"]) <= 0.05 * d["draftsmith_tau"], d
+
+
+def test_the_cli_pipeline_forges_a_drafter_llama_cpp_serves_for_a_hybrid(tmp_path, capsys):
+    """generate -> capture -> train -> export -> doctor -> check with the command line on the tiny fitted LFM2: the
+    drafter draftsmith trains is served by llama.cpp with output equal to plain and acceptance that check passes."""
+    import json
+
+    from draftsmith.cli import main
+    from draftsmith.testing.models import tiny_chat_corpus
+
+    world = hybrid_llamacpp_world(tmp_path / "world", "lfm2", n_prompts=8, new_tokens=32)
+    target, gguf = str(world["model_dir"]), str(world["target_gguf"])
+    with open(tmp_path / "questions.jsonl", "w") as f:  # training questions: other seeds than the check's prompts
+        for i, conv in enumerate(tiny_chat_corpus(96, seed=4242)):
+            f.write(json.dumps({"id": f"q{i}", "messages": conv[:1]}) + "\n")
+    (tmp_path / "check.jsonl").write_text("".join(json.dumps({"prompt": c[0]["content"]}) + "\n"
+                                                  for c in tiny_chat_corpus(6, seed=999)))
+    steps = [
+        ["generate", "--target", target, "--input", str(tmp_path / "questions.jsonl"), "--out",
+         str(tmp_path / "conversations.jsonl"), "--max-new-tokens", "48", "--no-progress"],
+        ["capture", "--target", target, "--conversations", str(tmp_path / "conversations.jsonl"), "--out",
+         str(tmp_path / "store"), "--max-length", "256", "--no-progress"],
+        ["train", "--target", target, "--store", str(tmp_path / "store"), "--out", str(tmp_path / "run"),
+         "--max-steps", "300", "--max-length", "256", "--batch-tokens", "1024", "--no-plot", "--no-progress"],
+        ["export", "--drafter", str(tmp_path / "run" / "best"), "--format", "gguf", "--target", gguf, "--out",
+         str(tmp_path / "drafter.gguf")],
+        ["doctor", "--target", gguf, "--drafter", str(tmp_path / "drafter.gguf"), "--engine", "llamacpp"],
+    ]
+    for argv in steps:
+        assert main(argv) == 0, argv[0]
+    capsys.readouterr()
+    code = main(["check", "--engine", "llamacpp", "--target", gguf, "--drafter", str(tmp_path / "drafter.gguf"),
+                 "--draftsmith-target", target, "--reference-drafter", str(tmp_path / "run" / "best"),
+                 "--prompts", str(tmp_path / "check.jsonl"), "--limit", "6", "--max-new-tokens", "32",
+                 "--num-speculative-tokens", "3", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    print(f"check: served tau {report['served_tau']:.3f}, draftsmith's {report['draftsmith_tau']:.3f}, "
+          f"card {report['card_tau']}, {report['verdict']}")
+    assert report["equality"]["identical"] == report["equality"]["compared"] == 6, report
+    assert abs(report["served_tau"] - report["draftsmith_tau"]) <= 0.05 * report["draftsmith_tau"], report
+    assert code == 0 and report["verdict"] == "pass", report
