@@ -317,3 +317,22 @@ def test_tiny_demo_pipeline_on_a_recurrent_target(tmp_path):
         if name != "plain":
             assert m["identical_to_plain"] == f"{limit}/{limit}", name
 
+
+
+def test_verify_cost_measures_chains_and_branching_trees_on_a_recurrent_target(monkeypatch):
+    """verify_cost's tree passes branch, so a recurrent target steps them node by node as decoding does (a chain goes
+    through each mixer in one call), and every pass is cut back to the prefix."""
+    from draftsmith.stages import verify_cost
+
+    target = recurrent_target("lfm2")
+    seen = []
+    begin = target_cache.TargetCache.begin_block
+
+    def spy(self, parents):
+        seen.append(list(parents))
+        return begin(self, parents)
+
+    monkeypatch.setattr(target_cache.TargetCache, "begin_block", spy)
+    cost = verify_cost.measure_verify_cost(target, ks=(1, 4), reps=1, prefix=16)
+    assert [-1, 0, 1, 2] in seen and [-1, 0, 0, 1] in seen
+    assert all(t > 0 for t in (*cost.verify.values(), *cost.tree_verify.values()))

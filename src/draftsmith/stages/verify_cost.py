@@ -93,12 +93,24 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
-def _tree_mask(n: int, prefix: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """An additive [1, 1, n, prefix + n] mask as tree verify builds it (here: a causal tree, i.e. a chain)."""
-    allowed = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device),
-                         torch.ones(n, n, dtype=torch.bool, device=device).tril()], dim=1)
+def _tree_parents(n: int) -> list[int]:
+    """A tree of n nodes (root incl.) that branches from its first level on: node i's parent is (i - 1) // 2, a
+    binary tree. Attention costs the same under any mask; a recurrent target steps a tree node by node, where it
+    passes a chain in one call, so the measured tree must branch."""
+    return [-1] + [(i - 1) // 2 for i in range(1, n)]
+
+
+def _tree_mask(n: int, prefix: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An additive [1, 1, n, prefix + n] mask and the positions, as tree verify builds them for ``_tree_parents``."""
+    parents = _tree_parents(n)
+    allowed = torch.eye(n, dtype=torch.bool, device=device)
+    depth = [0] * n
+    for i in range(1, n):
+        allowed[i] |= allowed[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    allowed = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), allowed], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return mask[None, None], prefix + torch.tensor([depth], device=device)
 
 
 @torch.no_grad()
@@ -118,12 +130,12 @@ def measure_verify_cost(target: Target, drafter=None, ks: Sequence[int] = DEFAUL
     jobs: dict[tuple[str, int], Callable[[], object]] = {}
 
     def verify(n: int, tree: bool) -> Callable[[], object]:
-        pos = torch.arange(prefix, prefix + n, device=device)[None]
-        mask = _tree_mask(n, prefix, target.dtype, device) if tree else None
+        mask, pos = _tree_mask(n, prefix, target.dtype, device) if tree else (None, None)
+        parents = _tree_parents(n) if tree else list(range(-1, n - 1))
 
         def run():
-            cache.begin_block(range(-1, n - 1))  # a chain, as the tree mask here is causal
-            target(ids[:, prefix: prefix + n], cache=cache, attention_mask=mask, position_ids=pos if tree else None)
+            cache.begin_block(parents)
+            target(ids[:, prefix: prefix + n], cache=cache, attention_mask=mask, position_ids=pos)
             cache.keep(prefix)
         return run
 
