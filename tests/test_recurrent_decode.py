@@ -336,3 +336,29 @@ def test_verify_cost_measures_chains_and_branching_trees_on_a_recurrent_target(m
     cost = verify_cost.measure_verify_cost(target, ks=(1, 4), reps=1, prefix=16)
     assert [-1, 0, 1, 2] in seen and [-1, 0, 0, 1] in seen
     assert all(t > 0 for t in (*cost.verify.values(), *cost.tree_verify.values()))
+
+
+@pytest.mark.parametrize(("model_type", "fields"), [
+    ("mamba2", dict(num_heads=4, head_dim=32, state_size=16, n_groups=1, chunk_size=16, expand=2)),
+    ("falcon_mamba", dict(state_size=8, expand=2, conv_kernel=4, intermediate_size=128)),
+    ("zamba2", dict(mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1, num_attention_heads=4,
+                    num_key_value_heads=4, intermediate_size=128, attention_head_dim=32, hybrid_layer_ids=[1],
+                    layers_block_type=["mamba", "hybrid", "mamba", "mamba"], use_mem_rope=False)),
+])
+def test_state_space_targets_without_attention_decode_exactly(model_type, fields):
+    """Targets with no attention at all (Mamba-2, Falcon-Mamba) or a shared attention block (Zamba2): the drafter
+    takes its heads from the hidden size, and every mode stays exact."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=256, hidden_size=64, num_hidden_layers=4, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    model.get_output_embeddings().weight.data.mul_(24)
+    target = Target(model)
+    assert target.is_recurrent
+    drafter = new_drafter(target, seed=1)
+    prompt = [5, 9, 13, 21, 40, 7, 7, 8]
+    ref = SpeculativeDecoder(target).generate(prompt, NEW_TOKENS).token_ids
+    for drafter_, spec in ((drafter, ChainSpec(3)), (drafter, TreeSpec(3, 3, 8)), (None, NgramSpec(3))):
+        assert SpeculativeDecoder(target, drafter_, spec).generate(prompt, NEW_TOKENS).token_ids == ref, spec

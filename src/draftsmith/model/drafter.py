@@ -72,8 +72,10 @@ class DrafterConfig:
     def from_target(cls, target, draft_vocab_size: int | None = None, **overrides) -> DrafterConfig:
         """Sizes default from the target's config, as the reference drafters do."""
         c = target.config
-        heads = int(c.num_attention_heads)
         hidden = int(c.hidden_size)
+        # A target without attention (Mamba, Mamba-2, Falcon-Mamba) names no head count: heads of 128 (or 64) dims.
+        heads = int(getattr(c, "num_attention_heads", None) or next(
+            (hidden // d for d in (128, 64) if hidden % d == 0 and hidden >= d), 1))
         rope = getattr(c, "rope_parameters", None) or {}
         theta = getattr(c, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict) else None)
         inter = getattr(c, "intermediate_size", None) or 4 * hidden
