@@ -551,18 +551,14 @@ def test_refused_grad_accum_leaves_no_out(ws, tmp_path, capsys):
 # --- torchrun: one summary; a resume by another process count is refused --------------------------------------
 @pytest.mark.slow  # seconds of model loading / two torchrun ranks: the slow suite
 def test_torchrun_prints_one_summary_and_a_resume_needs_the_same_ranks(ws, tmp_path):
-    import socket as socket_mod
-
-    with socket_mod.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "run"
     args = ["train", "--target", str(ws["target"]), "--store", str(ws["store"]), "--out", str(out),
             "--max-steps", "2", "--batch-tokens", "128", "--ttt-steps", "1", "--save-every", "1", "--eval-every",
             "100", "--device", "cpu", "--no-progress", "--no-plot", "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                        str(port), "-m", "draftsmith.cli", *args, "--stop-at-step", "1"], env=env,
+    # --standalone: the rendezvous on a free port of torchrun's own choosing, as the other torchrun tests do
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "draftsmith.cli", *args, "--stop-at-step", "1"], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summaries = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
