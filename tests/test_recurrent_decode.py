@@ -28,7 +28,7 @@ from draftsmith.testing.models import HYBRID_ARCHITECTURES, build_tiny_model, sa
 
 # Older transformers releases (the oldest supported, 5.17) have no recurrent cache that keeps a state per token:
 # there decoding such a target is refused in one line (test_target.py), and everything here is skipped.
-pytestmark = pytest.mark.skipif(target_cache._linear_layer_class() is None,
+pytestmark = pytest.mark.skipif(target_cache.recurrent_cache_class() is None,
                                 reason="transformers without per-token recurrent caches")
 
 

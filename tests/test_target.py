@@ -233,7 +233,7 @@ def test_recurrent_targets_decode_or_are_refused_in_one_line():
     target = Target(build_tiny_model("lfm2", num_hidden_layers=4))
     assert target.is_recurrent and target.recurrent_layers == (0, 1, 2)
     decoder = SpeculativeDecoder(target, None, NgramSpec(3))
-    if target_cache._linear_layer_class() is not None:
+    if target_cache.recurrent_cache_class() is not None:
         assert decoder.generate([5, 6, 7], 4).token_ids == SpeculativeDecoder(target).generate([5, 6, 7], 4).token_ids
         return
     with pytest.raises(target_cache.RecurrentTargetError, match=f"transformers {transformers.__version__}") as e:

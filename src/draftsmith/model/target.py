@@ -26,9 +26,9 @@ from draftsmith.model.target_cache import (
     BlockStepper,
     RecurrentTargetError,
     TargetCache,
-    _linear_layer_class,
     find_recurrent_mixers,
     new_target_cache,
+    recurrent_cache_class,
     recurrent_layer_ids,
 )
 
@@ -211,7 +211,7 @@ class Target:
         self._stepping_error: str | None = None
         if self.recurrent_layers:
             try:
-                if _linear_layer_class() is None:
+                if recurrent_cache_class() is None:
                     import transformers
 
                     raise RecurrentTargetError(

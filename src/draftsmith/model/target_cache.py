@@ -29,7 +29,7 @@ class RecurrentTargetError(DraftsmithError, ValueError):
     """A target with recurrent layers that draftsmith cannot step exactly (an unknown mixer, an old transformers)."""
 
 
-def _linear_layer_class():
+def recurrent_cache_class():
     """transformers' base class of recurrent cache layers, or None on releases whose recurrent caches cannot keep a
     state per token (5.17 has the class without it)."""
     try:
@@ -46,7 +46,7 @@ def recurrent_layer_ids(config) -> tuple[int, ...]:
     """The decoder layers that keep a recurrent state, read from the config as transformers builds its cache."""
     from transformers import DynamicCache
 
-    mixin = _linear_layer_class()
+    mixin = recurrent_cache_class()
     types = getattr(config, "layer_types", None) or ()
     pattern = getattr(config, "hybrid_override_pattern", None)
     if mixin is None:  # no per-layer recurrent caches: say which layers recur from the config alone
@@ -148,7 +148,7 @@ class TargetCache:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep these batch rows (batched generation drops finished requests), in every kind of layer."""
-        mixin = _linear_layer_class()
+        mixin = recurrent_cache_class()
         for layer in self.hf.layers:
             if mixin is not None and isinstance(layer, mixin):
                 for states in (layer.conv_states, layer.recurrent_states):
@@ -186,7 +186,7 @@ def new_target_cache(config, recurrent: Sequence[int]) -> TargetCache:
         # No config: every layer is a plain growing layer that can be cropped and index-selected.
         return TargetCache(DynamicCache())
     hf = DynamicCache(config=config)
-    mixin = _linear_layer_class()
+    mixin = recurrent_cache_class()
     for i, layer in enumerate(hf.layers):
         # Sliding or chunked attention as plain growing layers (the window is the mask's business), so that keep()
         # can compact them; layers without a cache (MLP-only blocks) stay as they are.
