@@ -84,10 +84,7 @@ openvino-env: $(OV_STAMP)
 # one group, every other slow file in a group of its own beside them (tests/conftest.py).
 test-slow: $(STAMP) $(VLLM_STAMP) $(OV_STAMP)
 	# pytest exits 5 when no test carries the marker yet; that is not a failure.
-	# One process: on both cores (-n 2 --dist loadgroup, the groups conftest.py marks) a two-rank torchrun test
-	# aborted in its teardown beside a vLLM test once (2026-12-07, AMD EPYC); PYTEST_ARGS="-n 2 --dist loadgroup"
-	# runs it in parallel.
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m slow -n auto --dist loadgroup $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The oldest transformers pyproject.toml accepts (the GPU image's), in its own venv: the default suite must pass there
 # too. torch is the CPU pin (the only CPU build that installs here); torch 2.11 is exercised by bench/gpu_check.sh.

@@ -396,15 +396,24 @@ def test_distributed_two_processes_gloo(workspace, tmp_path):
     cfg.write_text(f'target = "{model}"\nconversations = "{convs}"\nmax_steps = 4\nttt_steps = 2\n'
                    f'batch_tokens = 256\nprogress = false\nplot = false\nout = "{tmp_path / "ddp"}"\n'
                    f'eval_every = 4\nsave_every = 2\n')
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # No tokenizer thread pool either: the only threads a rank starts are then the process group's.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # The CLI's entry point, then each rank's thread count once the run has returned.
+    entry = tmp_path / "entry.py"
+    entry.write_text("import os, sys\nfrom draftsmith.cli import main\ncode = main(sys.argv[1:])\n"
+                     f"open(r'{tmp_path}/threads.' + os.environ['RANK'], 'w')"
+                     ".write(str(len(os.listdir('/proc/self/task'))))\nsys.exit(code)\n")
     # --standalone: the rendezvous on a free port. A fixed port is taken whenever another checkout's suite runs
     # this test at the same moment on the same machine, and the run then fails with no bug to find.
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "draftsmith.cli", "train", "--config", str(cfg)],
+                           str(entry), "train", "--config", str(cfg)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ddp" / "final" / "model.safetensors").is_file()
     assert Path(tmp_path / "ddp" / "checkpoints" / "latest").read_text().strip() == "step-0000004"
+    # The process group's gloo threads are joined before the interpreter shuts down: one left then can free the
+    # last collectives' tensors during shutdown and abort the rank (once in a few runs on a loaded machine).
+    assert [(tmp_path / f"threads.{r}").read_text() for r in (0, 1)] == ["1", "1"]
 
 
 # --- hardening: untrusted run directories and stores, concurrent runs, resumed logs ------------------------

@@ -7,6 +7,7 @@ exactly. Under torchrun each rank takes every world-th batch and gradients are a
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -65,18 +66,26 @@ def setup_distributed(device: str) -> bool:
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Imported before the group exists: TorchDynamo (which the optimizer imports on first use) imported after
+        # it keeps the group alive past destroy_process_group, so its gloo threads outlive the interpreter (below).
+        importlib.import_module("torch._dynamo")
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
         return True
     return False
 
 
 def teardown_distributed(ok: bool) -> None:
-    """Leave the process group before exit: a gloo group left to the interpreter's teardown can abort a rank
-    ("terminate called without an active exception") after training has finished. The barrier (only after a
-    run that finished) keeps rank 0's final saves inside the run for every rank."""
+    """Leave the process group before exit, after a run that finished.
+
+    A gloo worker thread can still hold the last collectives' tensors when the main thread returns; if it frees
+    them while the interpreter shuts down it aborts the rank ("terminate called without an active exception").
+    destroy_process_group joins those threads first. The barrier keeps rank 0's final saves inside the run for
+    every rank. After a failure nothing is joined: a peer may still be inside a collective, and waiting for it
+    would hang this rank instead of letting it exit with its error (torchrun then stops the others).
+    """
     if ok:
         dist.barrier()
-    dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 class Teacher:
