@@ -46,7 +46,7 @@ def fitted(arch: str):
     target = tiny_target(arch, num_hidden_layers=LAYERS)
     prompts, refs = references(arch)
     return shared_drafter(f"fitted-{arch}.safetensors", target,
-                          lambda: fit_drafter(target, [p + r for p, r in zip(prompts, refs, strict=True)], steps=150))
+                          lambda: fit_drafter(target, [p + r for p, r in zip(prompts, refs, strict=True)], steps=60))
 
 
 @pytest.mark.parametrize("arch", LOSSLESS_ARCHS)
