@@ -107,6 +107,7 @@ def test_measured_cost_curve_on_a_tiny_target():
 
 def test_cache_round_trips_and_is_keyed(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    monkeypatch.setattr(machine, "load_per_core", lambda: 0.5)  # a quiet machine, whatever runs beside this test
     key = {"machine": machine.machine_key(), "target": {"a": 1}, "dtype": "float32"}
     machine.cache_put("verify-cost", key, {"x": 1.5})
     assert machine.cache_get("verify-cost", key) == {"x": 1.5}
@@ -208,8 +209,30 @@ def test_calibration_follows_the_runs_length(model_dir, capsys, tmp_path, monkey
     assert shapes.calibration_tokens(None) == shapes.CALIBRATION_TOKENS
 
 
+def test_timings_taken_on_a_busy_machine_are_not_reused(tmp_path, monkeypatch):
+    """A step time measured while other work oversubscribed the cores would steer later runs for a month."""
+    monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    key = {"machine": machine.machine_key(), "target": {"a": 1}, "dtype": "float32"}
+    monkeypatch.setattr(machine, "load_per_core", lambda: machine.BUSY_LOAD_PER_CORE + 1.5)
+    machine.cache_put("step-time", key, {"plain": 1.3})
+    machine.cache_put("acceptance", key, {"tau": 2.0})
+    monkeypatch.setattr(machine, "load_per_core", lambda: 0.2)
+    assert machine.cache_get("step-time", key) is None  # busy when taken: measured again, now
+    assert machine.cache_get("acceptance", key) == {"tau": 2.0}  # not a timing: kept whatever the load
+    machine.cache_put("step-time", key, {"plain": 0.04})
+    assert machine.cache_get("step-time", key) == {"plain": 0.04}
+    # A timing written before the load was recorded is measured again; where the OS has no load average, kept.
+    entry = json.loads(machine.cache_file("step-time", key).read_text())
+    del entry["load_per_core"]
+    machine.cache_file("step-time", key).write_text(json.dumps(entry))
+    assert machine.cache_get("step-time", key) is None
+    machine.cache_file("step-time", key).write_text(json.dumps({**entry, "load_per_core": None}))
+    assert machine.cache_get("step-time", key) == {"plain": 0.04}
+
+
 def test_cli_shape_auto_chooses_the_dtype_and_measures_once(model_dir, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
+    monkeypatch.setattr(machine, "load_per_core", lambda: 0.5)  # a quiet machine, whatever runs beside this test
     calibrated = []
     real = shapes.calibrate_acceptance
     monkeypatch.setattr(shapes, "calibrate_acceptance", lambda *a, **k: calibrated.append(1) or real(*a, **k))

@@ -3,6 +3,10 @@
 Measurements are cached as small JSON files under ``cache_home()/shapes``, keyed by everything they depend
 on (CPU and its bf16/AMX flags, torch, threads, and the caller's model keys). A cached value older than
 ``MAX_AGE_S`` is measured again: drivers, kernels and thermal settings change under an unchanged key.
+
+A timing also records how busy the machine was while it was taken (the load average per usable core). One taken on
+an oversubscribed machine (other jobs, a test suite beside it) is used by the run that measured it but never
+reused: otherwise a busy moment would steer every later run's dtype, packing and shape for a month.
 """
 
 from __future__ import annotations
@@ -16,6 +20,19 @@ from pathlib import Path
 import torch
 
 MAX_AGE_S = 30 * 24 * 3600
+#: The cache kinds that hold timings, and the load per usable core above which one is not reused.
+TIMING_KINDS = frozenset({"step-time", "verify-cost", "train-autocast"})
+BUSY_LOAD_PER_CORE = 2.0
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average over the cores this process may run on; None where the OS gives none."""
+    try:
+        load = os.getloadavg()[0]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    except (OSError, AttributeError):
+        return None
+    return load / max(1, cores or 1)
 
 
 def cache_home() -> Path:
@@ -60,7 +77,18 @@ def cache_get(kind: str, key: dict, max_age_s: float = MAX_AGE_S) -> dict | None
     measured_at = data.get("measured_at")
     if not isinstance(measured_at, (int, float)) or not 0 <= time.time() - measured_at <= max_age_s:
         return None
+    if kind in TIMING_KINDS and busy_when_measured(data):
+        return None
     return data.get("value")
+
+
+def busy_when_measured(entry: dict) -> bool:
+    """A timing taken on an oversubscribed machine, or one with no record of the load (written before it was
+    recorded). Where the OS reports no load average, a timing is taken as it is."""
+    if "load_per_core" not in entry:
+        return True
+    load = entry["load_per_core"]
+    return isinstance(load, (int, float)) and load > BUSY_LOAD_PER_CORE
 
 
 def cache_put(kind: str, key: dict, value: dict) -> None:
@@ -68,8 +96,10 @@ def cache_put(kind: str, key: dict, value: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "value": value, "measured_at": time.time()}, indent=1,
-                                  sort_keys=True))
+        entry = {"key": key, "value": value, "measured_at": time.time()}
+        if kind in TIMING_KINDS:
+            entry["load_per_core"] = load_per_core()
+        tmp.write_text(json.dumps(entry, indent=1, sort_keys=True))
         tmp.replace(path)
     except OSError:
         pass  # a read-only cache only costs a re-measurement next time
