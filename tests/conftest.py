@@ -117,6 +117,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def quiet_machine(monkeypatch):
+    """Timings cache as on a quiet machine, whatever runs beside the test: on a busy one a timing is not reused
+    (core/machine.py), and these tests check the cache's reuse."""
+    from draftsmith.core import machine
+
+    monkeypatch.setattr(machine, "load_per_core", lambda: 0.5)
+
+
+@pytest.fixture
 def compiled_loss(monkeypatch):
     """The training loss's compiled kernels for this test (``model/ttt._compiled_ce``), built afresh (a None cached
     while compiling was off would otherwise stick); the returned pair is None only where no compiler is found."""

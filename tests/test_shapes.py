@@ -105,9 +105,8 @@ def test_measured_cost_curve_on_a_tiny_target():
     assert list(cost.verify.values()) == sorted(cost.verify.values())  # monotone: dips are noise
 
 
-def test_cache_round_trips_and_is_keyed(tmp_path, monkeypatch):
+def test_cache_round_trips_and_is_keyed(tmp_path, monkeypatch, quiet_machine):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
-    monkeypatch.setattr(machine, "load_per_core", lambda: 0.5)  # a quiet machine, whatever runs beside this test
     key = {"machine": machine.machine_key(), "target": {"a": 1}, "dtype": "float32"}
     machine.cache_put("verify-cost", key, {"x": 1.5})
     assert machine.cache_get("verify-cost", key) == {"x": 1.5}
@@ -230,9 +229,8 @@ def test_timings_taken_on_a_busy_machine_are_not_reused(tmp_path, monkeypatch):
     assert machine.cache_get("step-time", key) == {"plain": 0.04}
 
 
-def test_cli_shape_auto_chooses_the_dtype_and_measures_once(model_dir, capsys, tmp_path, monkeypatch):
+def test_cli_shape_auto_chooses_the_dtype_and_measures_once(model_dir, capsys, tmp_path, monkeypatch, quiet_machine):
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
-    monkeypatch.setattr(machine, "load_per_core", lambda: 0.5)  # a quiet machine, whatever runs beside this test
     calibrated = []
     real = shapes.calibrate_acceptance
     monkeypatch.setattr(shapes, "calibrate_acceptance", lambda *a, **k: calibrated.append(1) or real(*a, **k))

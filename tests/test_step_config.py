@@ -7,7 +7,6 @@ import itertools
 import pytest
 import torch
 
-from draftsmith.core import machine
 from draftsmith.model import packing
 from draftsmith.model.packing import packing_available
 from draftsmith.model.target import Target, load_target
@@ -29,12 +28,10 @@ def load(dtype: torch.dtype) -> Target:
 
 
 @pytest.fixture
-def timed(monkeypatch, tmp_path):
+def timed(monkeypatch, tmp_path, quiet_machine):
     """A step costs what ``costs[(dtype, packed)]`` says; returns the costs and the list of measured configs."""
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
     monkeypatch.delenv("DRAFTSMITH_PACK", raising=False)
-    # Cached as on a quiet machine: on a busy one a timing is not reused (core/machine.py), whatever runs beside.
-    monkeypatch.setattr(machine, "load_per_core", lambda: 0.5)
     costs: dict = {}
     measured: list = []
 

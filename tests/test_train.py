@@ -282,13 +282,11 @@ def test_unknown_config_key_names_closest(tmp_path):
         load_config(None, {"store": "s", "autocast": "fp16"})
 
 
-def test_autocast_setting(monkeypatch, tmp_path):
-    from draftsmith.core import machine
+def test_autocast_setting(monkeypatch, tmp_path, quiet_machine):
     from draftsmith.model.target import bf16_native
     from draftsmith.stages.train import precision
 
     monkeypatch.setenv("DRAFTSMITH_HOME", str(tmp_path))
-    monkeypatch.setattr(machine, "load_per_core", lambda: 0.5)  # cached as on a quiet machine (core/machine.py)
     cpu = torch.device("cpu")
     assert precision.fixed_autocast("bf16", cpu) and not precision.fixed_autocast("off", cpu)
     # auto: on where the CPU has AMX tiles; on other CPUs it is measured.
