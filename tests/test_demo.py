@@ -17,7 +17,17 @@ from draftsmith.stages.decode import ChainSpec, SpeculativeDecoder
 from draftsmith.testing.models import save_tiny_target
 
 
-def test_tiny_demo_pipeline(tmp_path):
+def bench_in_this_process(target, dtype, drafter, p, out, progress, conversations, device="auto"):
+    """The demo's bench command run by this process's CLI entry point: the same arguments and report as the
+    child process the demo starts, without its second start-up (the imports cost more than a tiny bench)."""
+    from draftsmith.app import demo
+    from draftsmith.app.cli import main
+
+    assert main(demo.bench_argv(target, dtype, drafter, p, out, progress, conversations, device)) == 0
+    return demo.read_bench(out)
+
+
+def test_tiny_demo_pipeline(tmp_path, monkeypatch):
     work = tmp_path / "demo"
     save_tiny_target(work / "target")
     result = run_demo("tiny", work, target=str(work / "target"), progress=False)
@@ -78,6 +88,7 @@ def test_tiny_demo_pipeline(tmp_path):
     # Rerunning resumes: nothing is generated, captured or trained again.
     trained = [work / "run" / "final" / "model.safetensors", work / "run" / "checkpoints" / "latest"]
     stamps = [f.stat().st_mtime_ns for f in trained]
+    monkeypatch.setattr("draftsmith.app.demo.bench_in_fresh_process", bench_in_this_process)  # ran once above
     again = run_demo("tiny", work, target=str(work / "target"), progress=False)
     assert again["bench"][f"eagle3 chain k={preset.chain}"]["acceptance_length"] == chain["acceptance_length"]
     assert [f.stat().st_mtime_ns for f in trained] == stamps  # not a wall-time bound: nothing was rewritten
@@ -103,9 +114,10 @@ def test_stage_times_add_up_over_killed_and_resumed_sessions(tmp_path):
     assert StageTimes(path).all_sessions() == {"total": 0.0, "sessions": 1}  # unreadable: this session alone
 
 
-def test_demo_on_conversations_as_written(tmp_path):
+def test_demo_on_conversations_as_written(tmp_path, monkeypatch):
     """data = a ShareGPT-shaped file: no generation; the first turns are captured as written, evaluation
     prompts dropped, and bench is told which conversations trained the drafter."""
+    monkeypatch.setattr("draftsmith.app.demo.bench_in_fresh_process", bench_in_this_process)  # the child: above
     work = tmp_path / "demo"
     save_tiny_target(work / "target")
     mt = load_prompts("mt-bench", 1, turns=1)[0].turns[0] if _has_mtbench() else None

@@ -28,13 +28,17 @@ HYBRID = HybridSpec(TreeSpec(depth=4, top_k=3, total_tokens=12), NgramSpec(k=3))
 #: The same tree grafting lookup only where two or more tokens recur.
 HYBRID_MIN2 = HybridSpec(HYBRID.tree, NgramSpec(k=3, min_ngram=2))
 NEW_TOKENS = 16
+#: Prompts per set (test_decode's random ones, and the same repeating their own answer). The sweep catches the graft
+#: faults it caught at 20 (a lookup node's position, a missed merge) within these 12; a wrong parent is caught node by
+#: node in test_grafted_nodes_verify_like_a_plain_forward, at either count.
+N_PROMPTS = 12
 
 
 @functools.cache
 def repetitive(arch: str):
     """Prompts that repeat their own greedy continuation (prompt, answer, prompt again): lookup hits often."""
     prompts, refs = references(arch)
-    reps = [p + r + p for p, r in zip(prompts[:20], refs[:20], strict=True)]
+    reps = [p + r + p for p, r in zip(prompts[:N_PROMPTS], refs[:N_PROMPTS], strict=True)]
     plain = SpeculativeDecoder(tiny_target(arch, num_hidden_layers=LAYERS))
     return reps, [plain.generate(p, NEW_TOKENS).token_ids for p in reps]
 
@@ -62,7 +66,7 @@ def test_hybrid_greedy_equals_plain(arch, drafter_kind, merges):
     lookup = {}
     for name, (prompts, refs) in {"random": references(arch), "repetitive": repetitive(arch)}.items():
         lookup[name] = 0
-        for i, (p, ref) in enumerate(zip(prompts[:20], refs[:20], strict=True)):
+        for i, (p, ref) in enumerate(zip(prompts[:N_PROMPTS], refs[:N_PROMPTS], strict=True)):
             r = decoder.generate(p, NEW_TOKENS)
             assert r.token_ids == ref, f"{arch} {drafter_kind} {name} prompt {i} diverged"
             assert r.target_forward_passes == 1 + len(r.accepted_per_step)

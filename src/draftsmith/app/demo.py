@@ -419,14 +419,11 @@ def _trained_seconds(run_dir: Path) -> float | None:
         return None
 
 
-def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Preset, out: Path, progress: bool,
-                           conversations: Path, device: str = "auto") -> tuple[dict, dict[str, Path]]:
-    """`draftsmith bench` in a child process: decoding measured in the process that trained ran slower,
-    and plain and speculative decoding slowed unequally (docs/hardware.md). ``dtype`` None: bench
-    chooses it with the shape, by expected decoding speed."""
-    import subprocess
-
-    cmd = [sys.executable, "-m", "draftsmith.cli", "bench", "--target", target, *(["--dtype", dtype] if dtype else []),
+def bench_argv(target: str, dtype: str | None, drafter: Path, p: Preset, out: Path, progress: bool,
+               conversations: Path, device: str = "auto") -> list[str]:
+    """The demo's `draftsmith bench` command line (without the program). ``dtype`` None: bench chooses it with
+    the shape, by expected decoding speed."""
+    cmd = ["bench", "--target", target, *(["--dtype", dtype] if dtype else []),
            "--drafter", str(drafter), "--datasets", ",".join(p.bench_datasets), "--limit", str(p.bench_limit),
            "--turns", "1", "--max-new-tokens", str(p.bench_tokens), "--chain", str(p.chain), "--out", str(out),
            "--device", device,
@@ -438,9 +435,25 @@ def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Pre
         cmd += ["--tree", ",".join(str(x) for x in p.tree)]
     if not progress:
         cmd.append("--no-progress")
+    return cmd
+
+
+def bench_in_fresh_process(target: str, dtype: str | None, drafter: Path, p: Preset, out: Path, progress: bool,
+                           conversations: Path, device: str = "auto") -> tuple[dict, dict[str, Path]]:
+    """`draftsmith bench` in a child process: decoding measured in the process that trained ran slower,
+    and plain and speculative decoding slowed unequally (docs/hardware.md)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "draftsmith.cli",
+           *bench_argv(target, dtype, drafter, p, out, progress, conversations, device)]
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL)  # the table is printed by the summary below
     if done.returncode != 0:
         raise RuntimeError(f"bench failed (exit {done.returncode}): {' '.join(cmd)}")
+    return read_bench(out)
+
+
+def read_bench(out: Path) -> tuple[dict, dict[str, Path]]:
+    """The report a `draftsmith bench --out OUT` wrote, and the paths of its files."""
     paths = {"json": out / "bench.json", "table": out / "bench.txt"}
     if (out / "bench.png").is_file():
         paths["png"] = out / "bench.png"
