@@ -80,8 +80,8 @@ $(OV_STAMP): pyproject.toml
 openvino-env: $(OV_STAMP)
 
 # OpenVINO's env costs ~2.5 min to build and its slow test ~11 min with the target's conversion (2-core box, loaded).
-# One worker per core: the tests that start vLLM or OpenVINO (which pin threads to cores) run one after another in
-# one group, every other slow file in a group of its own beside them (tests/conftest.py).
+# One worker per core: the tests that start vLLM (which pins threads to cores) run one after another in one group, those
+# that start OpenVINO in a second, every other slow file in a group of its own beside them (tests/conftest.py).
 test-slow: $(STAMP) $(VLLM_STAMP) $(OV_STAMP)
 	# pytest exits 5 when no test carries the marker yet; that is not a failure.
 	$(PY) -m pytest -q -m slow -n auto --dist loadgroup $(PYTEST_ARGS) || [ $$? -eq 5 ]

@@ -95,25 +95,38 @@ def shared_drafter(key: str, target: Target, build: Callable[[], Eagle3Drafter],
 
 
 # --- the slow suite on every core: `make test-slow` runs it with --dist loadgroup --------------------------------
-# vLLM's CPU engine pins its threads to cores, and OpenVINO takes every core: two such engines at once would fight
-# over the same cores, so their tests form one group, run one after another on one worker. Every other slow test is
-# grouped by its file, so a module's set-up (a converted target, a fitted pair) is still built once.
-ENGINE_MODULES = {"test_vllm_block", "test_vllm_capture", "test_vllm_engine", "test_vllm_plugin", "test_vllm_serve",
-                  "test_deepseek_e2e", "test_eagle31", "test_export", "test_openvino_engine"}
+# vLLM's CPU engine pins its threads to cores: two vLLM tests at once would pin theirs to the same cores, so the
+# tests that start vLLM form one group, run one after another on one worker; the tests that start OpenVINO (which
+# takes every core) form a second. Every other slow test is grouped by its file, so a module's set-up (a converted
+# target, a fitted pair) is built once.
+#
+# The groups are given to xdist as a scheduler (below), not as xdist_group marks: with pytest 9.2, xdist 3.8 no
+# longer reads those marks (it appends the group to a node id pytest now derives elsewhere, pytest-xdist#1386), and
+# every slow test was then sent to any worker, each module's set-up built on both.
+VLLM_MODULES = {"test_vllm_block", "test_vllm_capture", "test_vllm_engine", "test_vllm_plugin", "test_vllm_serve",
+                "test_vllm_hybrid", "test_deepseek_e2e", "test_eagle31", "test_export"}
 
 
-def engine_test(item) -> bool:
-    """A test that starts vLLM or OpenVINO: its module is one of theirs, or its name says which it drives."""
-    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-    return module in ENGINE_MODULES or "vllm" in item.name or "openvino" in item.name
+def slow_group(nodeid: str) -> str:
+    """The group of a test id: "openvino" or "vllm" for a test that starts that engine (its module is one of its
+    modules, or its name says which engine it drives), else its file."""
+    path, _, name = nodeid.partition("::")
+    module = path.rpartition("/")[2].removesuffix(".py")
+    if "openvino" in name or module == "test_openvino_engine":
+        return "openvino"
+    return "vllm" if module in VLLM_MODULES or "vllm" in name else path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("slow") is None or item.get_closest_marker("xdist_group") is not None:
-            continue
-        item.add_marker(pytest.mark.xdist_group("engines" if engine_test(item) else item.path.stem))
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlowGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return slow_group(nodeid)
+
+    return SlowGroups(config, log)
 
 
 @pytest.fixture
