@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=2 python bench/train_memory.py --store STORE --target TARGET --minutes 20 [--out out/mem]
     python bench/train_memory.py --minutes 5            # no store: a small one is built in-process (tiny target)
+    python bench/train_memory.py table before=a/memory.csv after=b/memory.csv --every 100   # the curves, as Markdown
 
 Trains as ``draftsmith train`` does (the CLI's allocator setting, ``core/allocator.py``), from a feature store, for
 ``--minutes`` (a time budget, up to ``--max-steps``), and after each optimizer step reads ``/proc/self/status``
@@ -135,7 +136,34 @@ def summarize(rows: list[dict], ref_step: int) -> dict:
     return out
 
 
+def curve_table(runs: dict[str, Path], every: int) -> str:
+    """A Markdown table of resident memory and the heap's bytes in use, every ``every`` steps, one column pair per
+    run (``runs``: a label and its memory.csv): the curve the docs show."""
+    series = {}
+    for label, path in runs.items():
+        with open(path, newline="") as f:
+            series[label] = list(csv.DictReader(f))
+    last = min(len(rows) for rows in series.values())
+    head = "| step | " + " | ".join(f"{label}: RSS MB | {label}: heap in use MB" for label in series) + " |"
+    lines = [head, "|" + "---|" * (1 + 2 * len(series))]
+    for i in [*range(every - 1, last, every), *([last - 1] if last % every else [])]:
+        cells = []
+        for rows in series.values():
+            cells += [f"{int(rows[i]['VmRSS']) / 2**20:,.0f}", f"{int(rows[i].get('heap_in_use') or 0) / 2**20:,.0f}"]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["table"]:  # table LABEL=memory.csv ... [--every N]: the curve of finished runs
+        tp = argparse.ArgumentParser(prog="train_memory.py table")
+        tp.add_argument("runs", nargs="+", help="LABEL=PATH/memory.csv")
+        tp.add_argument("--every", type=int, default=100)
+        targs = tp.parse_args(argv[1:])
+        print(curve_table(dict(r.split("=", 1) for r in targs.runs), targs.every))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", help="a feature store (default: build a small one with a tiny target in --work)")
     ap.add_argument("--target", help="the store's target (a model path or 'smollm2'); needed with --store")

@@ -120,6 +120,36 @@ def test_ttt_loss_on_trained_columns_equals_the_dense_loss():
     assert stats.correct == correct and stats.total == counted and sum(counted) > 0
 
 
+def test_a_run_meets_a_bounded_set_of_shapes():
+    """Batch lengths and the head's trained rows are rounded up to ttt.SHAPE_BUCKET, so a long run stops meeting
+    new matmul shapes (CPU kernels keep state per shape: its memory grew for as long as new ones came). The loss
+    and gradients stay the unrounded ones (test_ttt_loss_on_trained_columns_equals_the_dense_loss)."""
+    from draftsmith.stages.train.data import collate
+
+    bucket = ttt.SHAPE_BUCKET
+    sample = [(torch.arange(n), torch.ones(n, dtype=torch.bool), torch.zeros(n, 6), torch.zeros(n, 2))
+              for n in (5, bucket + 6)]
+    batch = collate(sample, 4 * bucket, torch.float32)
+    assert batch.input_ids.shape == (2, 2 * bucket) and batch.lengths.tolist() == [5, bucket + 6]
+    assert not batch.loss_mask[:, bucket + 6:].any() and not batch.loss_mask[0, 5:].any()
+    assert collate(sample, bucket + 10, torch.float32).input_ids.shape[1] == bucket + 10  # at most max_length
+    assert collate(sample[:1], 4 * bucket, torch.float32).input_ids.shape[1] == bucket
+
+    target = tiny_target("llama")
+    drafter = new_drafter(target, draft_vocab_size=120, seed=5)
+    seen: list[int] = []
+    drafter.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
+    g = torch.Generator().manual_seed(2)
+    for t in (9, 14, 23):
+        ids = torch.randint(3, 250, (2, t), generator=g)
+        out, batch = _answer_batch(target, ids, [t, t - 4])
+        teacher = teacher_targets(batch, target.lm_head.weight, drafter.to_target_ids(torch.arange(120)),
+                                  drafter.t2d)
+        loss, _ = ttt_forward(drafter, batch, teacher, 3)
+        loss.backward()
+    assert len(seen) == 9 and all(n % bucket == 0 and n > 0 for n in seen), seen
+
+
 def test_teacher_temperature_sharpens_to_one_hot_on_the_same_argmax():
     """Temperature < 1 sharpens the soft labels around the target's choice; 0 is its one-hot."""
     target = tiny_target("llama")

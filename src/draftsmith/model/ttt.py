@@ -18,6 +18,17 @@ import torch
 
 from draftsmith.model.drafter import Eagle3Drafter
 
+#: Batch lengths and the head's trained rows are rounded up to a multiple of this. CPU kernels (oneDNN's bf16
+#: matmuls) build and keep state per shape, so a run whose shapes change every step grows for as long as it
+#: meets new ones; rounding bounds the shapes it can meet (recipes-and-levers.md, "Memory over a long run").
+SHAPE_BUCKET = 64
+
+
+def bucketed(n: int, limit: int | None = None) -> int:
+    """``n`` rounded up to a multiple of ``SHAPE_BUCKET`` (at most ``limit``, itself a fixed shape)."""
+    up = -(-n // SHAPE_BUCKET) * SHAPE_BUCKET
+    return up if limit is None else max(n, min(up, limit))
+
 
 @dataclass
 class TTTBatch:
@@ -358,6 +369,18 @@ def draft_loss(logits: torch.Tensor, p: torch.Tensor, kind: str = "kl") -> torch
     raise ValueError(f"unknown loss {kind!r}: one of {', '.join(LOSSES)}")
 
 
+def _head_on_bucketed_rows(drafter: Eagle3Drafter, h: torch.Tensor, rows: torch.Tensor,
+                           cols: torch.Tensor) -> torch.Tensor:
+    """The head's logits at (rows, cols), run over a bucketed number of rows (the last one repeated) and cut
+    back: the widest matmul of a step then meets a bounded set of shapes, forward and backward."""
+    n = rows.numel()
+    pad = bucketed(n) - n
+    if pad:
+        rows = torch.cat([rows, rows[-1:].expand(pad)])
+        cols = torch.cat([cols, cols[-1:].expand(pad)])
+    return drafter.logits(h[rows, cols])[:n]
+
+
 def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int, decay: float = 0.8,
                 unroll_hidden: list | None = None, loss: str = "kl") -> tuple[torch.Tensor, TTTStats]:
     """Weighted TTT loss sum_i decay^i * L_i and per-step accuracy counts; ``loss`` names L (``draft_loss``).
@@ -394,7 +417,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: TTTBatch, teacher, ttt_steps: int
         # head is the widest matmul of a step. Column t's teacher sits at t+1+i, inside the batch when trained.
         rows, cols = trained.nonzero(as_tuple=True)
         teacher_cols = cols + 1 + i
-        logits = drafter.logits(h[rows, cols])
+        logits = _head_on_bucketed_rows(drafter, h, rows, cols)
         if loss == "kl" and teacher_scores.temperature > 0:  # the default: fused, from both sides' logits
             summed, drafted = soft_cross_entropy(logits, teacher_scores.logits[rows, teacher_cols],
                                                  teacher_scores.temperature)

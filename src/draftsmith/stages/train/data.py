@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from draftsmith.model.ttt import TTTBatch
+from draftsmith.model.ttt import TTTBatch, bucketed
 from draftsmith.stages.train.config import TrainError
 
 
@@ -74,8 +74,9 @@ def every_position(batch: TTTBatch) -> TTTBatch:
 
 
 def collate(samples, max_length: int, dtype: torch.dtype) -> TTTBatch:
+    """Right-padded to the longest sample rounded up to ``SHAPE_BUCKET`` (at most ``max_length``)."""
     samples = [(x[:max_length], m[:max_length], a[:max_length], h[:max_length]) for x, m, a, h in samples]
-    b, t = len(samples), max(len(s[0]) for s in samples)
+    b, t = len(samples), bucketed(max(len(s[0]) for s in samples), max_length)
     ids = torch.zeros(b, t, dtype=torch.long)
     mask = torch.zeros(b, t, dtype=torch.bool)
     aux = torch.zeros(b, t, samples[0][2].shape[-1], dtype=dtype)
