@@ -241,9 +241,9 @@ def fit_block_drafter(target: Target, sequences: list[list[int]], kind: str, ste
         out = target(ids)
     labels = out.logits.argmax(-1)  # labels[:, p - 1] = the target's choice for position p
     in_vocab = torch.ones_like(labels, dtype=torch.bool)
-    if draft_vocab is not None:  # target ids -> draft ids (the kept ids in ascending order)
-        in_vocab = draft_vocab.t2d[labels]
-        labels = (torch.cumsum(draft_vocab.t2d.long(), 0) - 1)[labels].clamp(min=0)
+    if draft_vocab is not None:  # target ids -> draft ids; a choice outside the draft vocabulary is not scored
+        labels = draft_vocab.draft_ids(labels)
+        in_vocab, labels = labels >= 0, labels.clamp(min=0)
     aux = tuple(a.float() for a in out.aux_hidden_states)
     opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     g = torch.Generator().manual_seed(seed)
@@ -251,9 +251,9 @@ def fit_block_drafter(target: Target, sequences: list[list[int]], kind: str, ste
         anchor = (torch.rand(len(sequences), anchors, generator=g) * (lengths[:, None] - 1)).long()
         res = drafter.forward_train(aux, ids, anchor)
         pos = res.positions
-        ok = (pos >= 0) & (pos < lengths[:, None, None])
-        want = labels.gather(1, (pos - 1).clamp(min=0).flatten(1)).view_as(pos)
-        ok = ok & in_vocab.gather(1, (pos - 1).clamp(min=0).flatten(1)).view_as(pos)
+        prev = (pos - 1).clamp(min=0).flatten(1)
+        want = labels.gather(1, prev).view_as(pos)
+        ok = (pos >= 0) & (pos < lengths[:, None, None]) & in_vocab.gather(1, prev).view_as(pos)
         ce = torch.nn.functional.cross_entropy(res.logits.flatten(0, 2), want.flatten(), reduction="none")
         loss = (ce * ok.flatten()).sum() / ok.sum().clamp_min(1)
         opt.zero_grad()

@@ -36,6 +36,11 @@ class DraftVocab:
         """Target id of each draft id."""
         return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
 
+    def draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft id of each target id in ``target_ids``; -1 where the draft vocabulary does not hold it."""
+        draft_of = torch.cumsum(self.t2d.long(), 0) - 1
+        return torch.where(self.t2d[target_ids], draft_of[target_ids], -1)
+
 
 def from_target_ids(target_ids: torch.Tensor, vocab_size: int) -> DraftVocab:
     """Build the pair from the set of kept target ids."""

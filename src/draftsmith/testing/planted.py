@@ -124,8 +124,7 @@ def fit_chain_drafter(target, dv, sequences, steps: int = 60, ttt_steps: int = 3
     with torch.no_grad():
         out = target(ids)
     labels = out.logits.argmax(-1)
-    draft_of = torch.cumsum(dv.t2d.long(), 0) - 1
-    dlabels = torch.where(dv.t2d[labels], draft_of[labels], torch.full_like(labels, -1))
+    dlabels = dv.draft_ids(labels)
     aux = tuple(a[:, :-1] for a in out.aux_hidden_states)
     d = new_drafter(target, draft_vocab=dv, seed=0, **overrides).train()
     opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=1e-2)
