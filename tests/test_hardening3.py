@@ -355,13 +355,14 @@ def ggufs(tmp_path_factory):
     """The embedded default's GGUF metadata (tokenizer included) shrunk to a 4-layer, 64-wide llama: with no
     tensors at all, and with only its embedding (every other weight missing)."""
     import numpy as np
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFValueType, GGUFWriter
 
+    from draftsmith.core.gguf_file import open_gguf
     from draftsmith.model.sources import smollm2_gguf_path
     from draftsmith.stages.export.gguf import copy_field
 
     root = tmp_path_factory.mktemp("gguf")
-    reader = GGUFReader(smollm2_gguf_path())
+    reader = open_gguf(smollm2_gguf_path())
     vocab = int(reader.fields["llama.vocab_size"].contents())
     out = {}
     for name, tensors in (("empty", {}), ("embedding-only", {"token_embd.weight": np.zeros((vocab, 64), np.float16)})):

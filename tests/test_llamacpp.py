@@ -34,9 +34,11 @@ K = 3
 def write_renamed_arch(src, dst, arch: str) -> None:
     """A copy of a llama GGUF relabelled as ``arch`` (keys renamed; zero q/k/v biases, which qwen2 reads)."""
     import numpy as np
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
 
-    reader = GGUFReader(src)
+    from draftsmith.core.gguf_file import open_gguf
+
+    reader = open_gguf(src)
     f = {k: v.contents() for k, v in reader.fields.items() if k.startswith("llama.")}
     w = GGUFWriter(dst, arch)
     for name, field in reader.fields.items():

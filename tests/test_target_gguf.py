@@ -22,9 +22,9 @@ def lfm2(tmp_path_factory):
 
 
 def _fields(path):
-    from gguf import GGUFReader
+    from draftsmith.core.gguf_file import open_gguf
 
-    r = GGUFReader(path)
+    r = open_gguf(path)
     return r, {k: f.contents() for k, f in r.fields.items()}
 
 

@@ -32,9 +32,10 @@ def _shuffled(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def plant_gguf(src: str | Path, dst_dir: str | Path, fault: str) -> Path:
     """A copy of the drafter GGUF ``src`` with ``fault``, as ``dst_dir/drafter.gguf`` (and the card beside it)."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     from draftsmith.core import llamacpp_facts as facts
+    from draftsmith.core.gguf_file import open_gguf
     from draftsmith.stages.export.gguf import copy_field
 
     if fault not in GGUF_FAULTS:
@@ -42,7 +43,7 @@ def plant_gguf(src: str | Path, dst_dir: str | Path, fault: str) -> Path:
     src, dst_dir = Path(src), Path(dst_dir)
     dst_dir.mkdir(parents=True, exist_ok=True)
     dst = dst_dir / "drafter.gguf"
-    r = GGUFReader(src)
+    r = open_gguf(src)
     w = GGUFWriter(dst, r.fields["general.architecture"].contents())
     vocab = len(r.fields["tokenizer.ggml.tokens"].contents()) if "tokenizer.ggml.tokens" in r.fields else None
     for name, f in r.fields.items():
@@ -152,12 +153,13 @@ def fit_chain_drafter(target, dv, sequences, steps: int = 60, ttt_steps: int = 3
 
 def write_f32_gguf(src: str | Path, dst: str | Path) -> None:
     """A de-quantized copy of a GGUF (same keys, every tensor F32), so llama.cpp computes what PyTorch does."""
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
     from gguf.quants import dequantize
 
+    from draftsmith.core.gguf_file import open_gguf
     from draftsmith.stages.export.gguf import copy_field
 
-    reader = GGUFReader(src)
+    reader = open_gguf(src)
     w = GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         if not name.startswith("GGUF.") and name not in ("general.architecture", "general.file_type"):

@@ -39,11 +39,10 @@ def served_facts(drafter: str | Path, engine: str, target: str | Path | None = N
 
 
 def _gguf_facts(path: Path) -> dict:
-    from gguf import GGUFReader
-
     from draftsmith.core import llamacpp_facts as facts
+    from draftsmith.core.gguf_file import open_gguf
 
-    r = GGUFReader(path)
+    r = open_gguf(path)
     f = {k: v.contents() for k, v in r.fields.items() if k.startswith("eagle3.")}
     d2t = next((torch.from_numpy(t.data.copy()) for t in r.tensors if t.name == "d2t"), None)
     return {"aux_layer_ids": list(f.get(facts.KEY_TARGET_LAYERS) or []) or None,
