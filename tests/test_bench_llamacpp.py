@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from draftsmith.app.bench_llamacpp import EngineStats, format_llamacpp_table, round_profile
@@ -41,11 +38,13 @@ def test_profile_splits_a_round_and_says_when_it_pays():
     assert line == "  profile k=3: round 15.0 ms; one plain step 10.0 ms, so EAGLE-3 pays above tau 1.5 (measured 2.5)"
 
 
-def test_bench_llamacpp_refuses_sampling():
+def test_bench_llamacpp_refuses_sampling(capsys):
     pytest.importorskip("xllamacpp")
-    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "bench", "--engine", "llamacpp", "--drafter", "d",
-                          "--temperature", "1"], capture_output=True, text=True)
-    assert run.returncode == 2 and "greedy" in run.stderr and "Traceback" not in run.stderr
+    from draftsmith.cli import main
+
+    code = main(["bench", "--engine", "llamacpp", "--drafter", "d", "--temperature", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "greedy" in err and "Traceback" not in err
 
 
 def test_block_drafter_rows_and_profile_carry_its_kind(tmp_path):

@@ -74,8 +74,8 @@ def test_a_server_that_never_answers_is_stopped(tmp_path, monkeypatch):
     import os
 
     py = _fake(tmp_path, monkeypatch, hang=True)
-    out = run_sglang(py, "org/target", tmp_path / "drafter", PROMPTS, 3, 32, startup_s=2)
-    assert "did not answer /health in 2 s" in out.plain.error and "did not answer" in out.spec.error
+    out = run_sglang(py, "org/target", tmp_path / "drafter", PROMPTS, 3, 32, startup_s=1)
+    assert "did not answer /health in 1 s" in out.plain.error and "did not answer" in out.spec.error
     pids = tmp_path / "launches.jsonl.pids"
     for pid in (pids.read_text().split() if pids.exists() else []):
         with pytest.raises(ProcessLookupError):  # stopped and reaped, not left running

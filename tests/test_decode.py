@@ -20,10 +20,16 @@ from draftsmith.stages.decode import (
 
 LOSSLESS_ARCHS = ["llama", "qwen2", "deepseek_v3"]
 LAYERS = 4  # the decoder logic does not depend on depth; 4 layers keep 50-prompt sweeps quick
-N_PROMPTS = 50
+N_PROMPTS = 50  # the references, and the fitted drafter's data
 NEW_TOKENS = 16
-SPECS = [ChainSpec(4), TreeSpec(depth=4, top_k=3, total_tokens=12)]  # every prompt
-EXTRA_SPECS = [ChainSpec(1), TreeSpec(3, 2, 6)]  # the first 10 prompts (and every spec of the random drafter)
+# The greedy sweep: a fitted drafter decodes SWEEP prompts with each of SPECS, and REJECT_SWEEP with EXTRA_SPECS; a
+# random one (the reject path: it accepts next to nothing, so more prompts repeat one path) REJECT_SWEEP with every
+# spec. Planted faults (the target cache keeping nodes off the path or dropping the last, a causal tree mask, tree
+# positions by index instead of depth) fail every fitted arch at 32 prompts; at 24 one arch passed the positions fault.
+SWEEP = 32
+REJECT_SWEEP = 5
+SPECS = [ChainSpec(4), TreeSpec(depth=4, top_k=3, total_tokens=12)]
+EXTRA_SPECS = [ChainSpec(1), TreeSpec(3, 2, 6)]
 
 
 @functools.cache
@@ -58,7 +64,7 @@ def test_greedy_speculative_equals_plain(arch, drafter_kind):
     taus = {}
     for spec in SPECS + EXTRA_SPECS:
         # An untrained drafter accepts next to nothing: more prompts repeat one path (draft, reject, bonus).
-        n = N_PROMPTS if spec in SPECS and drafter_kind == "fitted" else 10
+        n = SWEEP if spec in SPECS and drafter_kind == "fitted" else REJECT_SWEEP
         decoder = SpeculativeDecoder(target, drafter, spec)
         results = [decoder.generate(p, NEW_TOKENS) for p in prompts[:n]]
         for i, (r, ref) in enumerate(zip(results, refs[:n], strict=True)):

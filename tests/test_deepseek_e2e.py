@@ -174,14 +174,24 @@ def random_drafter(tiny_dirs, tmp_path_factory):
 
 
 def _doctor(target: Path, drafter: Path, *extra: str, python: Path | None = None) -> dict:
-    import sys
+    argv = ["doctor", "--target", str(target), "--drafter", str(drafter), "--engine", "vllm", "--json", *extra]
+    if python is None:  # this environment's doctor: the CLI's main in this process
+        import contextlib
+        import io
 
-    cmd = [str(python or sys.executable), "-m", "draftsmith.cli", "doctor", "--target", str(target), "--drafter",
-           str(drafter), "--engine", "vllm", "--json", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode in (0, 1), proc.stderr
-    report = json.loads(proc.stdout)
-    assert report["exit_code"] == proc.returncode
+        from draftsmith.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        stdout, stderr = out.getvalue(), err.getvalue()
+    else:
+        proc = subprocess.run([str(python), "-m", "draftsmith.cli", *argv], capture_output=True, text=True,
+                              timeout=120)
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    assert code in (0, 1), stderr
+    report = json.loads(stdout)
+    assert report["exit_code"] == code
     return report
 
 

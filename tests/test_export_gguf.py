@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from draftsmith.core import vocab as vocab_mod
+from draftsmith.core.gguf_file import open_gguf
 from draftsmith.model.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.stages.export.checkpoint import DrafterCheckpoint, ExportError
 from draftsmith.stages.export.gguf import TargetGguf, check_servable, export_gguf, permute_rope
@@ -44,12 +43,19 @@ def fake_target(arch="llama", layers=30, hidden=576, vocab=49152) -> TargetGguf:
 
 @pytest.fixture(scope="module")
 def fp32_export(tmp_path_factory):
-    """(drafter, a GGUFReader of its fp32 export): written and read once (5 s) for the tests of the layout."""
-    from gguf import GGUFReader
-
+    """(drafter, a GGUFReader of its fp32 export): written and read once for the tests of the layout."""
     d = smol_drafter()
-    return d, GGUFReader(export_gguf(d, tmp_path_factory.mktemp("gguf") / "d.gguf", target="smollm2",
-                                     dtype="fp32").path)
+    return d, open_gguf(export_gguf(d, tmp_path_factory.mktemp("gguf") / "d.gguf", target="smollm2",
+                                    dtype="fp32").path)
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """The CLI's ``main`` in this process: (exit code, stdout, stderr)."""
+    from draftsmith.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def gguf_matrix(tensors: dict, name: str, rows: int) -> torch.Tensor:
@@ -130,11 +136,11 @@ def test_gguf_q_and_k_rows_attend_under_llamacpps_rope_as_the_drafter_does(fp32_
 
 @needs_smollm2
 def test_q8_0_quantizes_the_matrices_and_keeps_norms_and_d2t(tmp_path):
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     d = smol_drafter()
-    t = {x.name: x for x in GGUFReader(export_gguf(d, tmp_path / "d.gguf", target="smollm2", dtype="q8_0").path)
+    t = {x.name: x for x in open_gguf(export_gguf(d, tmp_path / "d.gguf", target="smollm2", dtype="q8_0").path)
          .tensors}
     for name in ("fc.weight", "output.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
         assert t[name].tensor_type == GGMLQuantizationType.Q8_0, name
@@ -148,13 +154,12 @@ def test_q8_0_quantizes_the_matrices_and_keeps_norms_and_d2t(tmp_path):
     assert not torch.equal(back, fc)  # quantized, not copied
 
 
-def test_q8_0_is_refused_outside_gguf(tmp_path):
+def test_q8_0_is_refused_outside_gguf(tmp_path, capsys):
     d = smol_drafter()
     d.save(tmp_path / "drafter")
-    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", "--drafter", str(tmp_path / "drafter"),
-                          "--format", "vllm", "--out", str(tmp_path / "o"), "--export-dtype", "q8_0"],
-                         capture_output=True, text=True)
-    assert run.returncode == 2 and "--format gguf" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    code, _, err = cli(capsys, "export", "--drafter", str(tmp_path / "drafter"), "--format", "vllm", "--out",
+                       str(tmp_path / "o"), "--export-dtype", "q8_0")
+    assert code == 2 and "--format gguf" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 
 
@@ -201,29 +206,27 @@ def test_refuses_target_of_other_width_or_vocab():
 
 
 @needs_smollm2
-def test_cli_serve_line_takes_the_chain_length_and_says_how_to_measure_it(tmp_path):
+def test_cli_serve_line_takes_the_chain_length_and_says_how_to_measure_it(tmp_path, capsys):
     d = smol_drafter()
     d.save(tmp_path / "drafter")
-    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", "--drafter", str(tmp_path / "drafter"),
-                          "--format", "gguf", "--target", "smollm2", "--out", str(tmp_path / "o.gguf"),
-                          "--num-speculative-tokens", "1"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    serve = next(line for line in run.stdout.splitlines() if line.startswith("serve: "))
+    code, out, err = cli(capsys, "export", "--drafter", str(tmp_path / "drafter"), "--format", "gguf", "--target",
+                         "smollm2", "--out", str(tmp_path / "o.gguf"), "--num-speculative-tokens", "1")
+    assert code == 0, err
+    serve = next(line for line in out.splitlines() if line.startswith("serve: "))
     assert "--draft-max 1 " in serve and str(tmp_path / "o.gguf") in serve
-    assert "bench --engine llamacpp" in run.stdout and "--draft-max 1,2,3" in run.stdout
+    assert "bench --engine llamacpp" in out and "--draft-max 1,2,3" in out
 
 
-def test_cli_gguf_needs_target_gguf(tmp_path):
+def test_cli_gguf_needs_target_gguf(tmp_path, capsys):
     d = smol_drafter()
     d.save(tmp_path / "drafter")
-    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", "--drafter", str(tmp_path / "drafter"),
-                          "--format", "gguf", "--out", str(tmp_path / "o.gguf")], capture_output=True, text=True)
-    assert run.returncode == 2 and "needs --target" in run.stderr and "Traceback" not in run.stderr
+    code, _, err = cli(capsys, "export", "--drafter", str(tmp_path / "drafter"), "--format", "gguf", "--out",
+                       str(tmp_path / "o.gguf"))
+    assert code == 2 and "needs --target" in err and "Traceback" not in err
     (tmp_path / "model").mkdir()
-    run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "export", "--drafter", str(tmp_path / "drafter"),
-                          "--format", "gguf", "--out", str(tmp_path / "o.gguf"), "--target", str(tmp_path / "model")],
-                         capture_output=True, text=True)
-    assert run.returncode == 2 and ".gguf file" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    code, _, err = cli(capsys, "export", "--drafter", str(tmp_path / "drafter"), "--format", "gguf", "--out",
+                       str(tmp_path / "o.gguf"), "--target", str(tmp_path / "model"))
+    assert code == 2 and ".gguf file" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("arch,blocking", [("llama", False), ("qwen2", True)])
