@@ -129,15 +129,17 @@ def test_demo_on_conversations_as_written(tmp_path, monkeypatch):
         rows.insert(3, {"id": "eval", "conversations": [{"from": "human", "value": mt}, {"from": "gpt", "value": "x"}]})
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(rows))
+    # An earlier session of this workdir spent 10 minutes and stopped before training: the budget counts them.
+    (work / "times.json").write_text(json.dumps({"sessions": [{"load": 30.0, "generate": 0.0, "capture": 570.0}]}))
     result = run_demo("tiny", work, target=str(work / "target"), progress=False, data=str(data), max_turns=1,
                       minutes=30, step_ceiling=50, eval_every=15, warmup_steps=3)
     assert result["train_steps"] == 50  # under a budget, up to the ceiling: a roomy one trains every step
     assert result["plan"]["cuts"] == [] and (work / "plan.json").is_file()  # nothing to cut on a tiny model
     config = json.loads((work / "run" / "config.json").read_text())
-    # The 30 minutes less what the stages before training took (and the bench's estimate): a budget, however long
-    # those stages took on a busy machine, and never more than they left.
+    # The 30 minutes less what the stages before training took, in this session and the earlier one (and the
+    # bench's estimate): a budget, however long those stages took on a busy machine, and never more than they left.
     seconds = result["seconds"]
-    assert 1.0 < config["max_minutes"] <= 30 - (seconds["load"] + seconds["generate"] + seconds["capture"]) / 60
+    assert 1.0 < config["max_minutes"] <= 30 - 10 - (seconds["load"] + seconds["generate"] + seconds["capture"]) / 60
     # A preset's own evaluation cadence and warm-up, not fractions of its step ceiling.
     assert (config["eval_every"], config["save_every"], config["warmup_steps"]) == (15, 15, 3)
     assert config["max_steps"] == 50

@@ -132,6 +132,10 @@ class StageTimes:
         self.session[stage] = seconds
         atomic_write(self.path, json.dumps({"sessions": [*self.earlier, self.session]}, indent=1).encode())
 
+    def earlier_seconds(self) -> float:
+        """What the sessions before this one spent on their stages: a resumed run's budget counts it as spent."""
+        return sum(sum(s.values()) for s in self.earlier)
+
     def all_sessions(self, train_s: float | None = None) -> dict[str, float]:
         """Each stage summed over the sessions, ``train_s`` (the run's checkpointed time) standing in for
         training where it is more, and the total; ``sessions`` counts them."""
@@ -246,8 +250,9 @@ def run_demo(preset: str = "default", workdir: str | Path = "runs/demo", target:
                   file=sys.stderr)
         else:
             bench_s = min(sizes.bench_s, bench_estimate(p, tgt, sizes))
-            budget = train_minutes(p.minutes, time.perf_counter() - t0, bench_s)
-            print(f"time budget {p.minutes:g} min: {(time.perf_counter() - t0) / 60:.1f} spent, "
+            spent = times.earlier_seconds() + time.perf_counter() - t0  # a rerun's earlier sessions count
+            budget = train_minutes(p.minutes, spent, bench_s)
+            print(f"time budget {p.minutes:g} min: {spent / 60:.1f} spent, "
                   f"~{bench_s / 60:.1f} kept for the bench, {budget:.1f} for training", file=sys.stderr)
     steps = (p.step_ceiling or p.max_steps) if budget else p.max_steps
     t = _stage("3/5 train: " + (f"as many steps as fit {budget:.1f} min, at most {steps}" if budget
