@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--ttt-steps", type=int, default=2)
-    ap.add_argument("--draft-vocab-size", type=int, default=32000, help="used when the store built no vocabulary "
-                    "(the full preset's is 8192)")
+    ap.add_argument("--draft-vocab-size", type=int, default=None, help="train's --draft-vocab-size, used when the "
+                    "store built no vocabulary (default: train's; the full preset's is 8192)")
     ap.add_argument("--lr", type=float, default=None, help="train's --lr (default: train's)")
     ap.add_argument("--autocast", default="auto", choices=("auto", "bf16", "off"),
                     help="train's --autocast (bf16 or off skip its probe, minutes on a busy machine)")
@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(None, dict(target=target, store=str(store), out=str(work / "run"), max_steps=args.max_steps,
                                  max_minutes=args.minutes, ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens,
                                  max_length=args.max_length, autocast=args.autocast,
-                                 draft_vocab_size=args.draft_vocab_size, eval_every=1000, save_every=1000,
-                                 train_on="all", progress=False, plot=False,
-                                 **({"lr": args.lr} if args.lr else {})))
+                                 eval_every=1000, save_every=1000, train_on="all", progress=False, plot=False,
+                                 **{k: v for k, v in (("draft_vocab_size", args.draft_vocab_size),
+                                                      ("lr", args.lr)) if v is not None}))
     shutil.rmtree(work / "run", ignore_errors=True)  # a fresh run each time
     sampler = Sampler(out / "memory.csv")
     handle = register_optimizer_step_post_hook(sampler)

@@ -71,6 +71,16 @@ def shared_result(key: str, build: Callable[[], T], save: Callable[[T, Path], No
         return value
 
 
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """The CLI's ``main`` in the test's process: (exit code, stdout, stderr). A subprocess is for what only a
+    process shows (a kill, a signal, the allocator set at start)."""
+    from draftsmith.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def save_json(value, path: Path) -> None:
     path.write_text(json.dumps(value))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_cli as _run
 
-from draftsmith.cli import main
 from draftsmith.model.block_drafter import new_block_drafter
 from draftsmith.model.target import load_target
 from draftsmith.testing.models import build_tiny_model
@@ -23,12 +23,6 @@ def dirs(tmp_path_factory):
     new_block_drafter(load_target(root / "model"), "dspark", markov_rank=8, block_size=4).save(root / "dspark")
     (root / "one.jsonl").write_text(json.dumps({"prompt": "hello there"}) + "\n")
     return root
-
-
-def _run(capsys, *args) -> tuple[int, str, str]:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_decode_block_kinds_equal_plain(dirs, capsys):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from conftest import run_cli as _run
 
-from draftsmith.cli import main
 from draftsmith.model.drafter import new_drafter
 from draftsmith.model.target import Target
 from draftsmith.testing.models import build_tiny_model
@@ -24,12 +24,6 @@ def model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
-
-
-def _run(capsys, *args) -> tuple[int, str, str]:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_plain_and_speculative_json_agree(model_dir, capsys, tmp_path):

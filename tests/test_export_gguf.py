@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import run_cli as cli
 
 from draftsmith.core import vocab as vocab_mod
 from draftsmith.core.gguf_file import open_gguf
@@ -47,15 +48,6 @@ def fp32_export(tmp_path_factory):
     d = smol_drafter()
     return d, open_gguf(export_gguf(d, tmp_path_factory.mktemp("gguf") / "d.gguf", target="smollm2",
                                     dtype="fp32").path)
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """The CLI's ``main`` in this process: (exit code, stdout, stderr)."""
-    from draftsmith.cli import main
-
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def gguf_matrix(tensors: dict, name: str, rows: int) -> torch.Tensor:
