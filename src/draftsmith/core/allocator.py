@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
 
@@ -33,6 +34,12 @@ M_MMAP_MAX = -4
 ENV_OFF = "DRAFTSMITH_SYSTEM_MALLOC"  # set to 1 to leave the C library's allocator as it is
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, looked up once: ``find_library`` runs ``ldconfig -p`` in a child process each time."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def keep_freed_memory() -> bool:
     """Serve every allocation from glibc's heap and never give it back; True when it took effect.
 
@@ -42,8 +49,7 @@ def keep_freed_memory() -> bool:
     if os.environ.get(ENV_OFF, "") not in ("", "0") or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -63,7 +69,7 @@ def release_free_memory() -> bool:
     if platform.libc_ver()[0] != "glibc":
         return False
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim = _libc().malloc_trim
     except (OSError, AttributeError):
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
