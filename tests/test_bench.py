@@ -87,6 +87,17 @@ def test_bench_bad_input_one_line_exit_2(bench_dirs, capsys, tmp_path, args, mes
     assert out == "" and not (tmp_path / "b").exists()
 
 
+def test_bench_refuses_a_shape_the_drafter_cannot_draft_before_calibrating(bench_dirs, capsys, tmp_path, monkeypatch):
+    """The expectation's calibration decodes prompts (minutes on a real model): a bad --tree is refused first."""
+    from draftsmith.cli import main
+    from draftsmith.stages import shapes
+
+    monkeypatch.setattr(shapes, "expectation_basis", lambda *a, **k: pytest.fail("calibrated before refusing"))
+    code = main(["bench", "--target", str(bench_dirs / "model"), "--drafter", str(bench_dirs / "drafter"),
+                 "--datasets", str(bench_dirs / "one.jsonl"), "--tree", "1,600,10", "--out", str(tmp_path / "b")])
+    assert code == 2 and "draft vocabulary" in capsys.readouterr().err
+
+
 def test_run_bench_refuses_an_empty_prompt_set_before_decoding(bench_dirs):
     from draftsmith.app.bench import run_bench
     from draftsmith.core.errors import UsageError

@@ -249,7 +249,7 @@ def _bench(args, argv: list[str]) -> int:
     )
     from draftsmith.app.kind_args import drafter_kind, drafts_blocks, make_drafter
     from draftsmith.stages.block_decode import BlockSpec, resolve_block_spec
-    from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, TreeSpec
+    from draftsmith.stages.decode import ChainSpec, HybridSpec, NgramSpec, SpeculativeDecoder, TreeSpec
     from draftsmith.stages.step_config import choose_for_drafting, load_target_for
 
     try:
@@ -315,6 +315,8 @@ def _bench(args, argv: list[str]) -> int:
                         for n in given_min_ngrams if n != look.min_ngram]
             chosen = [choice.shape.tree, choice.shape, *siblings]
         specs += [s for s in chosen if s not in specs]
+    for spec in specs:  # a shape this drafter cannot draft is refused before the calibration below runs
+        SpeculativeDecoder(target, drafter, spec)
     expected = [(choice.acceptance, choice.cost)] if choice is not None and choice.acceptance is not None else []
     if args.expected:
         from draftsmith.stages.shapes import expectation_basis
