@@ -32,6 +32,10 @@ ALPHA = 1e-3  # significance level of each distribution test (fixed seeds: the o
 V = 12  # the end-to-end target's vocabulary
 DRAWS = 800
 MIN_CELLS = 30  # a law test with fewer cells of expected count >= 5 says little
+#: Draws of the accept step alone (a 10-token law). Seven planted faults (the residual or the accept ratio ignoring
+#: q, a rejected tree child kept or not renormalised, |p - q| as the residual, the first draft's q for the second, the
+#: unfiltered softmax as p) fail the same tests at 6,000 draws as at 20,000; at 3,000 one case slips.
+ACCEPT_DRAWS = 6000
 #: The reduced draft vocabulary: every id not divisible by 3, so d2t is 1, 1, 2, 2, ... (never the identity).
 DRAFT_IDS = torch.tensor([i for i in range(V) if i % 3])
 
@@ -180,7 +184,7 @@ def test_acceptance_rule_is_distribution_preserving(params):
     p = logits_to_probs(target_logits[0], params)
     q = torch.softmax(torch.randn(vocab, generator=g) * 2, -1)  # a poor drafter
     decoder = _accept_only_decoder(vocab)
-    n = 20000
+    n = ACCEPT_DRAWS
     chain_counts = torch.zeros(vocab)
     tree_counts = torch.zeros(vocab)
     children = torch.topk(q, 3).indices.tolist()
@@ -208,14 +212,14 @@ def test_second_chain_draft_is_judged_by_its_own_q(params):
     q2 = torch.softmax(torch.randn(vocab, generator=g) * 3, -1)
     decoder = _accept_only_decoder(vocab)
     counts, first = torch.zeros(vocab), 0
-    for _ in range(20000):
+    for _ in range(ACCEPT_DRAWS):
         x1, x2 = (int(torch.multinomial(q, 1, generator=g)) for q in (q1, q2))
         chain = _Tree(tokens=[x1, x2], parents=[0, 1], depths=[1, 2], is_tree=False, q_probs=[q1, q2])
         path, bonus = decoder._accept(chain, target_logits, params, g)
         if path:
             first += 1
             counts[x2 if len(path) == 2 else bonus] += 1
-    assert first > 10000  # the second draft's accept step ran often
+    assert first > ACCEPT_DRAWS // 2  # the second draft's accept step ran often
     assert chi2(counts, p1)[0] > ALPHA
 
 
