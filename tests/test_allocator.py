@@ -37,6 +37,7 @@ def _faults(mode: str, env: dict | None = None) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
+@pytest.mark.slow  # children that import torch: the allocator is set at a process's start
 def test_freed_memory_is_reused_without_page_faults():
     pages = 8 * 64 * 2**20 // 4096  # what eight steps fault in if their 64 MiB blocks are fresh
     _, system = _faults("system")
@@ -54,6 +55,7 @@ def test_freed_memory_is_reused_without_page_faults():
     assert min(runs) < system / 2, runs
 
 
+@pytest.mark.slow  # children that import torch: the allocator is set at a process's start
 def test_the_environment_switch_leaves_the_system_allocator():
     env = {**os.environ, "DRAFTSMITH_SYSTEM_MALLOC": "1"}
     took, faults = _faults("keep", env)
@@ -82,6 +84,7 @@ print(released, before, anon())
 """
 
 
+@pytest.mark.slow  # children that import torch: the allocator is set at a process's start
 def test_release_free_memory_gives_a_fragmented_heaps_free_pages_back():
     out = subprocess.run([sys.executable, "-c", FRAGMENTED], capture_output=True, text=True, check=True).stdout.split()
     released, before, after = out[0], int(out[1]), int(out[2])

@@ -390,6 +390,7 @@ _STOPPING_CAPTURE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two interpreters that import torch: the killed capture and its rerun
 def test_kill9_then_rerun_exactly_once(tiny: dict[str, Any], tmp_path: Path) -> None:
     out, ready = tmp_path / "s", tmp_path / "ready"
     args = ["capture", "--target", str(tiny["dir"]), "--conversations", str(tiny["conv"]), "--out", str(out),

@@ -77,6 +77,7 @@ def test_bad_input_one_line_exit_2(model_dir, capsys, args, message):
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # the console entry point in an interpreter of its own, which imports torch
 def test_non_model_directory_subprocess(tmp_path):
     """The installed console script: one line on stderr, exit code 2, no traceback."""
     (tmp_path / "readme.txt").write_text("not a model")
@@ -87,6 +88,7 @@ def test_non_model_directory_subprocess(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # the console entry point in an interpreter of its own, which imports torch
 def test_huge_chain_fails_fast_subprocess(model_dir):
     """Issue 19.6: `--chain 100000` drafted 100000 tokens per round (over 5 minutes); now a one-line error."""
     proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "decode", "--target", str(model_dir),

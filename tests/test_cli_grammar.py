@@ -210,6 +210,7 @@ def test_decode_explicit_cpu_runs(online, capsys):
     assert json.loads(capsys.readouterr().out)["num_tokens"] >= 1
 
 
+@pytest.mark.slow  # bytes argv reach only a new interpreter, which imports torch
 def test_non_utf8_prompt_is_one_line(online):
     model, _ = online
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "LC_ALL": "C.UTF-8"}

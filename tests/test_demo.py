@@ -30,6 +30,8 @@ def bench_in_this_process(target, dtype, drafter, p, out, progress, conversation
 def test_tiny_demo_pipeline(tmp_path, monkeypatch):
     work = tmp_path / "demo"
     save_tiny_target(work / "target")
+    # The bench command runs in this process; test_demo_child runs it in the demo's child process.
+    monkeypatch.setattr("draftsmith.app.demo.bench_in_fresh_process", bench_in_this_process)
     result = run_demo("tiny", work, target=str(work / "target"), progress=False)
     preset = PRESETS["tiny"]
     # Every stage left its artefact.
@@ -88,7 +90,6 @@ def test_tiny_demo_pipeline(tmp_path, monkeypatch):
     # Rerunning resumes: nothing is generated, captured or trained again.
     trained = [work / "run" / "final" / "model.safetensors", work / "run" / "checkpoints" / "latest"]
     stamps = [f.stat().st_mtime_ns for f in trained]
-    monkeypatch.setattr("draftsmith.app.demo.bench_in_fresh_process", bench_in_this_process)  # ran once above
     again = run_demo("tiny", work, target=str(work / "target"), progress=False)
     assert again["bench"][f"eagle3 chain k={preset.chain}"]["acceptance_length"] == chain["acceptance_length"]
     assert [f.stat().st_mtime_ns for f in trained] == stamps  # not a wall-time bound: nothing was rewritten
@@ -117,7 +118,7 @@ def test_stage_times_add_up_over_killed_and_resumed_sessions(tmp_path):
 def test_demo_on_conversations_as_written(tmp_path, monkeypatch):
     """data = a ShareGPT-shaped file: no generation; the first turns are captured as written, evaluation
     prompts dropped, and bench is told which conversations trained the drafter."""
-    monkeypatch.setattr("draftsmith.app.demo.bench_in_fresh_process", bench_in_this_process)  # the child: above
+    monkeypatch.setattr("draftsmith.app.demo.bench_in_fresh_process", bench_in_this_process)  # test_demo_child
     work = tmp_path / "demo"
     save_tiny_target(work / "target")
     mt = load_prompts("mt-bench", 1, turns=1)[0].turns[0] if _has_mtbench() else None

