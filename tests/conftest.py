@@ -8,7 +8,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 # Tiny models: one thread is ~10x faster than two fighting over a busy 2-core machine (and steadier).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -19,13 +19,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DRAFTSMITH_COMPILE", "0")
 
 import pytest
-import torch
 
-from draftsmith.model.drafter import Eagle3Drafter, new_drafter
-from draftsmith.model.target import Target
-from draftsmith.testing.models import build_tiny_model
+if TYPE_CHECKING:
+    import torch
 
-torch.set_num_threads(1)
+    from draftsmith.model.drafter import Eagle3Drafter
+    from draftsmith.model.target import Target
+
+# torch is imported by the helpers below, not here: xdist's controller loads this file before it starts the workers,
+# and runs no test.
+
+
+def pytest_collection_finish(session):
+    """One torch thread in each process that runs tests, whatever OMP_NUM_THREADS says (the controller collects
+    nothing, so it never gets here)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 # --- results shared by the run's worker processes ----------------------------------------------------------
@@ -92,6 +102,8 @@ def load_json(path: Path):
 def shared_drafter(key: str, target: Target, build: Callable[[], Eagle3Drafter], **new_drafter_kw) -> Eagle3Drafter:
     """``shared_result`` for a drafter of ``target``: its weights go through a safetensors file."""
     from safetensors.torch import load_file, save_file
+
+    from draftsmith.model.drafter import new_drafter
 
     def save(drafter: Eagle3Drafter, path: Path) -> None:
         save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(path))
@@ -166,19 +178,31 @@ def compiled_loss(monkeypatch):
 
 
 @functools.cache
-def tiny_target(arch: str, dtype: torch.dtype = torch.float64, num_hidden_layers: int = 8, seed: int = 0) -> Target:
-    """Cached per (arch, dtype): building one takes a fraction of a second, tests use many."""
-    return Target(build_tiny_model(arch, seed=seed, dtype=dtype, num_hidden_layers=num_hidden_layers))
+def tiny_target(arch: str, dtype: torch.dtype | None = None, num_hidden_layers: int = 8, seed: int = 0) -> Target:
+    """Cached per (arch, dtype): building one takes a fraction of a second, tests use many. float64 by default."""
+    import torch
+
+    from draftsmith.model.target import Target
+    from draftsmith.testing.models import build_tiny_model
+
+    return Target(build_tiny_model(arch, seed=seed, dtype=dtype or torch.float64, num_hidden_layers=num_hidden_layers))
 
 
 @functools.cache
-def block_target(arch: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Target:
+def block_target(arch: str, dtype: torch.dtype | None = None, seed: int = 0) -> Target:
     """``tiny_target``'s model in a Target of its own: block drafters point a target's aux layers at theirs, which
     must not leak into the EAGLE-3 tests that share ``tiny_target`` in the same worker."""
-    return Target(build_tiny_model(arch, seed=seed, dtype=dtype, num_hidden_layers=6))
+    import torch
+
+    from draftsmith.model.target import Target
+    from draftsmith.testing.models import build_tiny_model
+
+    return Target(build_tiny_model(arch, seed=seed, dtype=dtype or torch.float64, num_hidden_layers=6))
 
 
 def random_prompts(n: int, seed: int, vocab: int = 256, max_len: int = 24) -> list[list[int]]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max_len + 1, (n,), generator=g)
     return [torch.randint(3, vocab, (int(n_),), generator=g).tolist() for n_ in lengths]
@@ -194,6 +218,10 @@ def fit_drafter(target: Target, sequences: list[list[int]], steps: int = 200, se
     Fitted in float32 and cast to the target's dtype at the end: float64 steps cost twice as much and a drafter
     fitted to accept often does so in either precision.
     """
+    import torch
+
+    from draftsmith.model.drafter import new_drafter
+
     torch.manual_seed(seed)
     t = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), t, dtype=torch.long)
@@ -237,6 +265,8 @@ def fit_block_drafter(target: Target, sequences: list[list[int]], kind: str, ste
     position passes a sequence's end is not scored there. With a reduced ``draft_vocab`` (a ``DraftVocab``) a
     position whose choice lies outside it is not scored either, as in the trainer; the head then costs a fraction
     of a full-vocabulary one."""
+    import torch
+
     from draftsmith.model.block_drafter import new_block_drafter
 
     torch.manual_seed(seed)
