@@ -177,9 +177,8 @@ def compiled_loss(monkeypatch):
     _compiled_ce.cache_clear()  # the tests after this one run eagerly again
 
 
-@functools.cache
-def tiny_target(arch: str, dtype: torch.dtype | None = None, num_hidden_layers: int = 8, seed: int = 0) -> Target:
-    """Cached per (arch, dtype): building one takes a fraction of a second, tests use many. float64 by default."""
+def _new_tiny_target(arch: str, dtype: torch.dtype | None, num_hidden_layers: int, seed: int) -> Target:
+    """A tiny random ``arch`` model in a Target, float64 unless ``dtype`` says otherwise."""
     import torch
 
     from draftsmith.model.target import Target
@@ -189,15 +188,16 @@ def tiny_target(arch: str, dtype: torch.dtype | None = None, num_hidden_layers: 
 
 
 @functools.cache
+def tiny_target(arch: str, dtype: torch.dtype | None = None, num_hidden_layers: int = 8, seed: int = 0) -> Target:
+    """Cached per (arch, dtype): building one takes a fraction of a second, tests use many."""
+    return _new_tiny_target(arch, dtype, num_hidden_layers, seed)
+
+
+@functools.cache
 def block_target(arch: str, dtype: torch.dtype | None = None, seed: int = 0) -> Target:
     """``tiny_target``'s model in a Target of its own: block drafters point a target's aux layers at theirs, which
     must not leak into the EAGLE-3 tests that share ``tiny_target`` in the same worker."""
-    import torch
-
-    from draftsmith.model.target import Target
-    from draftsmith.testing.models import build_tiny_model
-
-    return Target(build_tiny_model(arch, seed=seed, dtype=dtype or torch.float64, num_hidden_layers=6))
+    return _new_tiny_target(arch, dtype, 6, seed)
 
 
 def random_prompts(n: int, seed: int, vocab: int = 256, max_len: int = 24) -> list[list[int]]:

@@ -231,7 +231,7 @@ def flat_recurrent_target(arch: str) -> Target:
 DRAWS = 800
 
 
-# 800 draws each, stepped through recurrent layers: 15-60 s apiece on one core, so in the slow run. The default run
+# DRAWS each, stepped through recurrent layers: 15-60 s apiece on one core, so in the slow run. The default run
 # checks the rollback itself (above); the accept rule is the one test_sampling_law checks on attention targets.
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "spec"), [
